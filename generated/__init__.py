@@ -1,0 +1,1 @@
+# placeholder until `make generate` writes the index

@@ -1,0 +1,1 @@
+"""vjpgen runtime: helpers the generated formulas call, graph capture and compilation."""
