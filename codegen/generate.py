@@ -1,0 +1,236 @@
+"""``generate`` and ``check``: inputs → specs → Jinja2 → black → atomic write of ``generated/``.
+
+Warm runs are cheap twice over: an up-to-date output (same input fingerprint, files unchanged
+since they were written) is left alone, and black's output is cached by content hash.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from .errors import GenerateError
+from .load import Inputs, load
+from .render import render_index, render_module
+
+log = logging.getLogger("vjpgen.codegen")
+
+REPO = Path(__file__).resolve().parent.parent
+MANIFEST = "_manifest.json"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def inputs_sha256(inputs: Inputs) -> str:
+    """sha256 over the YAML inputs (stamped in every generated file)."""
+    h = hashlib.sha256()
+    for p in inputs.files():
+        try:
+            data = p.read_bytes()
+        except OSError as e:
+            raise GenerateError(f"{p}: cannot read input: {e.strerror or e}") from None
+        h.update(p.name.encode() + b"\0" + data + b"\0")
+    return h.hexdigest()
+
+
+def _generator_sources() -> list[Path]:
+    """codegen/*.py, templates/*.j2 and runtime/helpers/*.py (the helper table decides what a call
+    translates to). Found next to this file, in the repo and in an installed wheel alike, without
+    importing torch."""
+    here = Path(__file__).resolve().parent
+    out: list[Path] = []
+    for folder, pattern in ((here, "*.py"), (here.parent / "templates", "*.j2"), (here.parent / "runtime" / "helpers", "*.py")):
+        out += sorted(folder.glob(pattern))
+    return out
+
+
+def installed_torch_version() -> str:
+    """The installed torch's release (``2.13.0``), read from its metadata without importing it."""
+    from importlib.metadata import version
+
+    return version("torch").split("+")[0]
+
+
+def fingerprint(inputs: Inputs, torch_version: str) -> str:
+    """Everything the output depends on: YAML inputs, generator, templates, helper table, torch."""
+    h = hashlib.sha256(inputs_sha256(inputs).encode() + torch_version.encode())
+    for p in _generator_sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def _up_to_date(out: Path, fp: str) -> bool:
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("fingerprint") != fp:
+        return False
+    files = manifest.get("files", {})
+    present = {p.name for p in out.glob("*.py")}
+    if present != set(files):
+        return False
+    return all(_sha256((out / n).read_bytes()) == s for n, s in files.items())
+
+
+# -- black, cached by content hash ---------------------------------------------------------
+def _black_mode():
+    import black
+
+    return black.Mode(line_length=100, target_versions={black.TargetVersion.PY310})
+
+
+def _black_one(src: str) -> str:
+    import black
+
+    return black.format_str(src, mode=_black_mode())
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("VJPGEN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vjpgen"
+    )
+    return Path(root) / "black"
+
+
+def format_all(sources: dict[str, str], jobs: int) -> dict[str, str]:
+    """black-format every source; results cached under ``~/.cache/vjpgen/black`` by content hash."""
+    import black
+
+    salt = f"black {black.__version__} {_black_mode()!r}".encode()
+    cache = _cache_dir()
+    keys = {name: _sha256(salt + src.encode()) for name, src in sources.items()}
+    out: dict[str, str] = {}
+    todo: list[str] = []
+    for name, key in keys.items():
+        try:
+            out[name] = (cache / key[:2] / key).read_text()
+        except OSError:
+            todo.append(name)
+    if todo:
+        if jobs > 1 and len(todo) > 8:
+            with ProcessPoolExecutor(jobs) as ex:
+                results = list(ex.map(_black_one, [sources[n] for n in todo], chunksize=16))
+        else:
+            results = [_black_one(sources[n]) for n in todo]
+        for name, text in zip(todo, results):
+            out[name] = text
+            key = keys[name]
+            try:
+                (cache / key[:2]).mkdir(parents=True, exist_ok=True)
+                tmp = cache / key[:2] / f".{key}.{os.getpid()}"
+                tmp.write_text(text)
+                tmp.replace(cache / key[:2] / key)
+            except OSError as e:  # a read-only cache only costs time
+                log.debug("black cache not written: %s", e)
+    log.info("black: %d formatted, %d from cache", len(todo), len(sources) - len(todo))
+    return out
+
+
+# -- build ---------------------------------------------------------------------------------
+def build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
+    """Render every output file (name → text) from the inputs; raises GenerateError."""
+    import torch
+
+    from vjpgen.runtime.helpers import HELPERS
+
+    from .natives import kwarg_names_factory
+    from .spec import SpecBuilder
+
+    t0 = time.perf_counter()
+    loaded = load(inputs)
+    t1 = time.perf_counter()
+    builder = SpecBuilder(HELPERS, kwarg_names_factory(inputs))
+    specs = []
+    for info in loaded.infos:
+        spec = builder.build(info, loaded.sources[info.op], info.op in loaded.overridden)
+        if info.op in loaded.overridden:
+            _check_override(spec, loaded.overridden[info.op], loaded.upstream_saved.get(info.op))
+        specs.append(spec)
+    specs.sort(key=lambda s: s.name)
+    names = [s.module for s in specs]
+    if len(set(names)) != len(names):
+        raise GenerateError("two node classes map to the same module name")
+    sha = inputs_sha256(inputs)
+    version = torch.__version__.split("+")[0]
+    raw = {f"{s.module}.py": render_module(s, version, sha) for s in specs}
+    raw["__init__.py"] = render_index(specs, version, sha)
+    t2 = time.perf_counter()
+    files = format_all(raw, jobs)
+    t3 = time.perf_counter()
+    log.info("load %.2fs, translate+render %.2fs, format %.2fs", t1 - t0, t2 - t1, t3 - t2)
+    return files
+
+
+def _check_override(spec, entry, upstream_saved: set[str] | None) -> None:
+    for f in spec.formulas:
+        if f.python is None:
+            raise GenerateError(
+                f"{entry.file}:{entry.line}: entry {entry.name!r}: formula for {', '.join(f.var_names)!r}: {f.error}"
+            )
+    if upstream_saved is not None:
+        extra = {s.name for s in spec.saved if s.schema != "size_t"} - upstream_saved - {"retain_variables"}
+        if extra:
+            raise GenerateError(
+                f"{entry.file}:{entry.line}: entry {entry.name!r}: uses saved values {sorted(extra)} that the "
+                f"installed torch's {spec.name} node does not save; use only {sorted(upstream_saved)}"
+            )
+
+
+def _write_atomic(out: Path, files: dict[str, str], fp: str) -> None:
+    """Write all files to a sibling temp folder, then swap it in; a failure leaves ``out`` as it was."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    try:
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        manifest = {"fingerprint": fp, "files": {n: _sha256(t.encode()) for n, t in sorted(files.items())}}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=0, sort_keys=True) + "\n")
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def generate(out: Path, inputs: Inputs, jobs: int = 2, force: bool = False) -> int:
+    """Regenerate ``out``; returns the number of node modules. Raises GenerateError."""
+    version = installed_torch_version()
+    fp = fingerprint(inputs, version)
+    if not force and _up_to_date(out, fp):
+        n = len(json.loads((out / MANIFEST).read_text())["files"]) - 1
+        print(f"vjpgen: {out} is up to date ({n} node modules)")
+        return n
+    files = build_files(inputs, jobs)
+    _write_atomic(out, files, fp)
+    n = len(files) - 1
+    print(f"vjpgen: wrote {n} node modules to {out}")
+    return n
+
+
+def check(out: Path, inputs: Inputs, jobs: int = 2) -> list[str]:
+    """Regenerate into a temp folder and compare with ``out``; returns the differing file names."""
+    files = build_files(inputs, jobs)
+    with tempfile.TemporaryDirectory(prefix="vjpgen-check-") as td:
+        for name, text in files.items():
+            Path(td, name).write_text(text)
+        want = set(files)
+        have = {p.name for p in out.glob("*.py")} if out.exists() else set()
+        differ = sorted((want ^ have) | {n for n in want & have if not filecmp.cmp(Path(td, n), out / n, shallow=False)})
+    return differ

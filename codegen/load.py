@@ -1,0 +1,213 @@
+"""Loading the inputs: torch's packaged derivatives.yaml with the repo's overlay, through
+torchgen's own ``load_derivatives``.
+
+The repo's ``derivatives.yaml`` has the same format as PyTorch's; an entry whose ``name``
+equals an upstream entry's replaces it, a new ``name`` adds an entry. The overlay is validated
+first so that every error names ``file:line`` and the entry.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .errors import GenerateError
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Paths of the generator's YAML inputs."""
+
+    derivatives: Path  # torch's packaged derivatives.yaml
+    native_functions: Path
+    tags: Path
+    overlay: Path | None  # the repo's derivatives.yaml
+
+    def files(self) -> list[Path]:
+        return [p for p in (self.derivatives, self.native_functions, self.tags, self.overlay) if p]
+
+
+def default_inputs(overlay: Path | None) -> Inputs:
+    """The installed torch's packaged YAML files plus ``overlay``."""
+    import torchgen
+
+    base = Path(torchgen.__file__).parent / "packaged"
+    return Inputs(
+        base / "autograd" / "derivatives.yaml",
+        base / "ATen" / "native" / "native_functions.yaml",
+        base / "ATen" / "native" / "tags.yaml",
+        overlay,
+    )
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    line: int  # 1-based line of the entry in its file
+    file: Path
+    data: dict
+
+
+_NAME_LINE = re.compile(r"^- name:\s*(.+?)\s*$")
+
+
+def _op_key(name: str) -> str:
+    """``mul.Tensor(Tensor self, ...) -> Tensor`` → ``mul.Tensor``."""
+    return name.split("(", 1)[0].strip()
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise GenerateError(f"{path}: cannot read input: {e.strerror or e}") from None
+
+
+def read_entries(path: Path) -> list[Entry]:
+    """Parse a derivatives.yaml file into entries with line numbers; malformed input raises."""
+    text = read_text(path)
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark else 1
+        raise GenerateError(f"{path}:{line}: malformed YAML: {e.problem or e}") from None
+    if root is None:
+        return []
+    if not isinstance(root, yaml.SequenceNode):
+        raise GenerateError(f"{path}:{root.start_mark.line + 1}: expected a list of entries (`- name: ...`)")
+    data = yaml.safe_load(text)
+    out: list[Entry] = []
+    seen: dict[str, int] = {}
+    for node, item in zip(root.value, data):
+        line = node.start_mark.line + 1
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise GenerateError(f"{path}:{line}: entry has no `name: <schema>` string")
+        name = " ".join(item["name"].split())
+        if name in seen:
+            raise GenerateError(f"{path}:{line}: duplicate entry {name!r} (first at line {seen[name]})")
+        seen[name] = line
+        for key, value in item.items():
+            if key not in ("name", "dispatch", "output_differentiability", "result") and not isinstance(
+                value, (str, int, float, bool)
+            ):
+                raise GenerateError(f"{path}:{line}: entry {name!r}: {key!r} must be a formula string")
+        out.append(Entry(name, line, path, item))
+    return out
+
+
+def upstream_lines(path: Path) -> dict[str, int]:
+    """op key (``name.overload``) → line of each upstream entry (a fast line scan)."""
+    out: dict[str, int] = {}
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        m = _NAME_LINE.match(line)
+        if m:
+            out.setdefault(_op_key(m.group(1)), n)
+    return out
+
+
+def _check_against_native(entries: list[Entry], inputs: Inputs) -> None:
+    from torchgen.gen import parse_native_yaml
+    from torchgen.model import FunctionSchema
+
+    natives = parse_native_yaml(str(inputs.native_functions), str(inputs.tags)).native_functions
+    by_name = {str(f.func.name): f for f in natives}
+    for e in entries:
+        try:
+            schema = FunctionSchema.parse(e.name)
+        except Exception as ex:  # torchgen raises AssertionError / RuntimeError on bad schemas
+            raise GenerateError(f"{e.file}:{e.line}: entry {e.name!r}: cannot parse the schema: {ex}") from None
+        f = by_name.get(str(schema.name))
+        if f is None:
+            raise GenerateError(
+                f"{e.file}:{e.line}: entry {e.name!r}: no native function named {str(schema.name)!r} "
+                f"in {inputs.native_functions.name}; use the exact `name.overload(...)` schema"
+            )
+        if f.func.signature() != schema.signature():
+            raise GenerateError(
+                f"{e.file}:{e.line}: entry {e.name!r}: the signature does not match the native function "
+                f"{str(f.func)!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What the generator works from."""
+
+    infos: list  # DifferentiabilityInfo with derivatives, in torchgen's order
+    sources: dict[str, str]  # node class → "file:line" of its entry
+    overridden: dict[str, Entry]  # node class → the repo entry that defines it
+    upstream_saved: dict[str, set[str]]  # node class → saved names of the upstream entry
+
+
+def _load_with_torchgen(yaml_path: str, inputs: Inputs):
+    from torchgen.packaged.autograd.gen_autograd_functions import get_infos_with_derivatives_list
+    from torchgen.packaged.autograd.load_derivatives import load_derivatives
+
+    infos, _ = load_derivatives(yaml_path, str(inputs.native_functions), str(inputs.tags))
+    return get_infos_with_derivatives_list(infos)
+
+
+def _write_yaml(entries: list[dict]) -> str:
+    fd, path = tempfile.mkstemp(prefix="vjpgen-derivatives-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(entries, f, sort_keys=False, width=10**6)
+    return path
+
+
+def load(inputs: Inputs) -> Loaded:
+    """Load upstream + overlay through torchgen; bad overlay entries raise GenerateError."""
+    overlay = read_entries(inputs.overlay) if inputs.overlay else []
+    for p in (inputs.native_functions, inputs.tags):
+        if not os.access(p, os.R_OK):
+            raise GenerateError(f"{p}: cannot read input")
+    _check_against_native(overlay, inputs)
+    up_text = read_text(inputs.derivatives)
+    upstream = yaml.load(up_text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    up_lines = upstream_lines(inputs.derivatives)
+    by_name = {" ".join(e["name"].split()): k for k, e in enumerate(upstream)}
+    merged = list(upstream)
+    replaced: list[dict] = []
+    for e in overlay:
+        if e.name in by_name:
+            replaced.append(upstream[by_name[e.name]])
+            merged[by_name[e.name]] = e.data
+        else:
+            merged.append(e.data)
+    tmp = _write_yaml(merged)
+    try:
+        infos = _load_with_torchgen(tmp, inputs)
+    except Exception as ex:
+        msg = " ".join(str(ex).split()) or type(ex).__name__
+        culprit = next((e for e in overlay if _op_key(e.name) in msg or e.name in msg), None)
+        where = f"{culprit.file}:{culprit.line}: entry {culprit.name!r}" if culprit else str(inputs.overlay or inputs.derivatives)
+        raise GenerateError(f"{where}: torchgen load_derivatives rejected the input: {msg}") from None
+    finally:
+        os.unlink(tmp)
+    upstream_saved: dict[str, set[str]] = {}
+    if replaced:
+        tmp = _write_yaml(replaced)
+        try:
+            for info in _load_with_torchgen(tmp, inputs):
+                upstream_saved[info.op] = {
+                    str(v.nctype.name) for v in [*info.all_saved_inputs, *info.all_saved_outputs]
+                }
+        finally:
+            os.unlink(tmp)
+    overlay_by_key = {_op_key(e.name): e for e in overlay}
+    sources: dict[str, str] = {}
+    overridden: dict[str, Entry] = {}
+    for info in infos:
+        key = str(info.func.func.name)
+        if key in overlay_by_key:
+            e = overlay_by_key[key]
+            sources[info.op] = f"{e.file.name}:{e.line} (repo)"
+            overridden[info.op] = e
+        else:
+            sources[info.op] = f"torchgen/packaged/autograd/derivatives.yaml:{up_lines.get(key, 0)}"
+    return Loaded(infos, sources, overridden, upstream_saved)

@@ -1,0 +1,139 @@
+"""Reading a live autograd node's state for generated ``get_state`` functions.
+
+Generated modules call these to compute edge ranges and ``needs_input_grad`` the way the C++
+node does (``task_should_compute_output``: the edge is valid and, inside a narrowed backward,
+the engine will execute it), and to recover saved values that torch does not expose to
+Python (ScalarType, TensorOptions, TypeAndSize, Layout) from the edges' input metadata.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from .types import TensorOptions, TypeAndSize
+
+
+def input_ranges(node, is_list: Sequence[bool]) -> list[range]:
+    """Edge ranges (into ``node.next_functions``) of each differentiable input.
+
+    A ``Tensor[]`` input covers several edges; when there are several list inputs (foreach
+    ops) the remaining edges are split evenly between them, as their lists have equal length.
+    """
+    n_edges = len(node.next_functions)
+    n_lists = sum(is_list)
+    n_single = len(is_list) - n_lists
+    list_len = (n_edges - n_single) // n_lists if n_lists else 0
+    out, start = [], 0
+    for lst in is_list:
+        size = list_len if lst else 1
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def needs_input_grad(node, ranges: Sequence[range], should_compute: Callable[[int], bool] | None = None) -> tuple[bool, ...]:
+    """One bool per input: some edge of it is valid (and ``should_compute(edge)`` holds)."""
+    nf = node.next_functions
+    return tuple(
+        any(nf[j][0] is not None and (should_compute is None or should_compute(j)) for j in r) for r in ranges
+    )
+
+
+def input_meta(node, r: range):
+    """The input metadata of a single-edge input, or None when the edge is invalid."""
+    fn, nr = node.next_functions[r.start]
+    if fn is None:
+        return None
+    return fn._input_metadata[nr]
+
+
+def _check_dense(meta) -> None:
+    if meta.is_nested_tensor or meta.is_cpp_nested_tensor:
+        raise NotImplementedError("vjpgen: nested tensors are not supported by get_state")
+
+
+def dtype_of(meta) -> torch.dtype | None:
+    return None if meta is None else meta.dtype
+
+
+def layout_of(meta) -> torch.layout | None:
+    """Strided for every dense input (the metadata carries no layout; nested tensors raise)."""
+    if meta is None:
+        return None
+    _check_dense(meta)
+    return torch.strided
+
+
+def options_of(meta) -> TensorOptions | None:
+    if meta is None:
+        return None
+    _check_dense(meta)
+    return TensorOptions(meta.dtype, meta.device, torch.strided)
+
+
+def type_and_size_of(meta) -> TypeAndSize | None:
+    if meta is None:
+        return None
+    _check_dense(meta)
+    return TypeAndSize(tuple(meta.shape), TensorOptions(meta.dtype, meta.device, torch.strided))
+
+
+def list_dtypes(node, r: range) -> list:
+    """dtype of each tensor of a ``Tensor[]`` input (None for those that need no grad)."""
+    return [dtype_of(input_meta(node, range(j, j + 1))) for j in r]
+
+
+def list_sizes(node, r: range) -> list:
+    """Shape of each tensor of a ``Tensor[]`` input; raises when one is unknown."""
+    out = []
+    for j in r:
+        meta = input_meta(node, range(j, j + 1))
+        if meta is None:
+            raise NotImplementedError(
+                f"vjpgen: {type(node).__name__}: the size of list element {j - r.start} is not "
+                "recoverable (it does not require grad); call the live node instead"
+            )
+        out.append(tuple(meta.shape))
+    return out
+
+
+def unrecoverable(node_class: str, name: str, why: str):
+    """Raise for saved state a generated module cannot read from a live node."""
+    raise NotImplementedError(f"vjpgen: {node_class}: saved value {name!r} cannot be read from the live node: {why}")
+
+
+def index_ranges(sizes: Sequence[int]) -> list[range]:
+    """Consecutive edge ranges for inputs of the given sizes (1 for a Tensor, n for a Tensor[])."""
+    out, start = [], 0
+    for s in sizes:
+        out.append(range(start, start + s))
+        start += s
+    return out
+
+
+def copy_range(grad_inputs: list, r: range, value) -> None:
+    """Store ``value`` (a Tensor or a list of Tensors for a ``Tensor[]`` input) into ``grad_inputs[r]``."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(r):
+            raise RuntimeError(f"expected {len(r)} grads for a Tensor[] input, got {len(value)}")
+        grad_inputs[r.start : r.stop] = list(value)
+    else:
+        if len(r) != 1:
+            raise RuntimeError(f"expected a list of {len(r)} grads, got one tensor")
+        grad_inputs[r.start] = value
+
+
+_U64 = 1 << 64
+
+
+def signed(value):
+    """Undo torch's unsigned conversion of saved int64 values (``-1`` reads as ``2**64 - 1``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value - _U64 if value >= (1 << 63) else value
+    if isinstance(value, tuple):
+        return tuple(signed(v) for v in value)
+    if isinstance(value, list):
+        return [signed(v) for v in value]
+    return value

@@ -1,0 +1,82 @@
+"""``python -m vjpgen generate|check``: the generator's command line (same as the make targets)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m vjpgen",
+        description="Generate Python backward modules (one per autograd node class) from derivatives.yaml.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (
+        ("generate", "write the generated package (skipped when it is up to date, unless --force)"),
+        ("check", "regenerate into a temporary folder and compare with the committed package; exit 1 on drift"),
+    ):
+        s = sub.add_parser(name, help=help_, description=help_)
+        d = s.add_argument_group("inputs (default: the installed torch's packaged YAML files + the repo overlay)")
+        d.add_argument("--derivatives", type=Path, help="derivatives.yaml to start from (default: torch's packaged one)")
+        d.add_argument("--native-functions", type=Path, help="native_functions.yaml (default: torch's packaged one)")
+        d.add_argument("--tags", type=Path, help="tags.yaml (default: torch's packaged one)")
+        d.add_argument(
+            "--overlay",
+            default=str(REPO / "derivatives.yaml"),
+            help="the repo's derivatives.yaml, merged over the upstream file (default: %(default)s); "
+            "pass --overlay '' for none",
+        )
+        s.add_argument("--out", type=Path, default=REPO / "generated", help="output folder (default: %(default)s)")
+        s.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for formatting (default: %(default)s)")
+        s.add_argument("-v", "--verbose", action="store_true", help="log timings")
+        if name == "generate":
+            s.add_argument("--force", action="store_true", help="regenerate even when the output is up to date")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    from vjpgen.codegen.errors import GenerateError
+    from vjpgen.codegen.generate import check, generate
+    from vjpgen.codegen.load import Inputs, default_inputs
+
+    overlay = Path(args.overlay) if args.overlay else None
+    base = default_inputs(overlay)
+    inputs = Inputs(
+        args.derivatives or base.derivatives,
+        args.native_functions or base.native_functions,
+        args.tags or base.tags,
+        overlay,
+    )
+    t0 = time.perf_counter()
+    try:
+        if args.command == "generate":
+            generate(args.out, inputs, jobs=args.jobs, force=args.force)
+            print(f"vjpgen: generate took {time.perf_counter() - t0:.1f}s")
+            return 0
+        differ = check(args.out, inputs, jobs=args.jobs)
+    except GenerateError as e:
+        print(f"vjpgen: error: {e}", file=sys.stderr)
+        return 2
+    if differ:
+        shown = ", ".join(differ[:20]) + (f" and {len(differ) - 20} more" if len(differ) > 20 else "")
+        print(
+            f"vjpgen: {args.out} differs from its inputs in {len(differ)} file(s): {shown}\n"
+            f"vjpgen: run `make generate` (python -m vjpgen generate) and commit the result",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"vjpgen: {args.out} matches its inputs ({time.perf_counter() - t0:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
