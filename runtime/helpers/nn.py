@@ -1,0 +1,188 @@
+"""Neural-network backward helpers (ports of ``FunctionsManual.cpp``): pooling, linear,
+FFT, dropout and grid sampling.
+
+``None`` plays the role of an undefined C++ tensor. Several helpers the formulas call
+are aten ops and need no port: ``_convolution_double_backward`` (called as
+``..._symint``), ``conv_tbc_backward``, ``_thnn_differentiable_lstm_cell_backward``,
+``_thnn_differentiable_gru_cell_backward``, ``affine_grid_generator_backward`` and
+``_pack_padded_sequence_backward``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import register
+
+__all__ = [
+    "max_pool_double_backward",
+    "error_for_max_pool2d_double_backward",
+    "linear_double_backward",
+    "fft_r2c_backward",
+    "fft_c2r_backward",
+    "infinitely_differentiable_native_dropout_backward",
+    "native_dropout_double_backward",
+    "_fused_dropout_backward",
+]
+
+
+# ---------------------------------------------------------------------------
+# pooling
+# ---------------------------------------------------------------------------
+
+
+def _suggest_memory_format(t: torch.Tensor) -> torch.memory_format:
+    """``Tensor::suggest_memory_format``: channels-last(-3d) for 4-D/5-D tensors strided
+    that way, contiguous otherwise."""
+    if t.layout == torch.strided and not t.is_contiguous():
+        if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+            return torch.channels_last
+        if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+            return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+@register
+def max_pool_double_backward(grad, indices, dim):
+    """Double backward of max pooling (and VJP of max-unpooling) w.r.t. the first
+    backward's ``grad_output``: gathers ``grad`` at the saved argmax ``indices``.
+
+    ``indices``: (*, out_1..out_dim) holding flat offsets into the last ``dim`` dims of
+    ``grad``: (*, in_1..in_dim). Result: shaped like ``indices`` (empty when
+    ``indices`` is). Mirrors FunctionsManual `max_pool_double_backward`.
+    """
+    assert indices.dim() >= dim
+    if indices.numel() != 0:
+        size = list(indices.shape[: indices.dim() - dim]) + [-1]
+        indices_view = indices.view(size)
+        memory_format = _suggest_memory_format(indices)
+        return grad.contiguous(memory_format=memory_format).view(size).gather(-1, indices_view).view(indices.shape)
+    return torch.empty_like(indices, dtype=grad.dtype, device=grad.device)
+
+
+@register
+def error_for_max_pool2d_double_backward():
+    """Always raises RuntimeError: ``max_pool2d`` without indices (MPS) has no double
+    backward. Mirrors FunctionsManual `error_for_max_pool2d_double_backward`."""
+    raise RuntimeError(
+        "max_pool2d with `return_indices=False` is not infinitely differentiable. If you want "
+        "to calculate higher order derivatives, e.g. second order, set `return_indices=True`."
+    )
+
+
+# ---------------------------------------------------------------------------
+# linear
+# ---------------------------------------------------------------------------
+
+
+@register
+def linear_double_backward(grads, self, grad_output, weight):
+    """Double backward of ``linear``: VJP of ``linear_backward(self, grad_output, weight)
+    -> (grad_self, grad_weight, grad_bias)`` against ``grads`` = gradients of those three
+    outputs (entries may be None).
+
+    ``self``: (*, in) or (in,); ``grad_output``: (*, out) or (out,); ``weight``:
+    (out, in). Returns ``(grad_self, grad_grad_output, grad_weight)``; all None when
+    ``grad_output`` is None. Mirrors FunctionsManual `linear_double_backward`.
+    """
+    if grad_output is None:
+        return None, None, None
+    g_self, g_weight, g_bias = grads[0], grads[1], grads[2]
+    grad_self = grad_grad_output = grad_weight = None
+    go_1d = grad_output.dim() == 1
+
+    if g_weight is not None:
+        grad_self = (grad_output.unsqueeze(0) if go_1d else grad_output).matmul(g_weight)
+        if go_1d:
+            grad_self = grad_self.squeeze(0)
+    if g_self is not None:
+        lhs = grad_output.unsqueeze(1) if go_1d else grad_output.mT
+        grad_weight = lhs.matmul(g_self.unsqueeze(0) if g_self.dim() == 1 else g_self)
+
+    if g_self is not None or g_weight is not None or g_bias is not None:
+        grad_grad_output = torch.zeros_like(grad_output)
+        if go_1d:
+            grad_grad_output = grad_grad_output.unsqueeze(0)
+    if g_self is not None:
+        grad_grad_output = grad_grad_output + (g_self.unsqueeze(0) if g_self.dim() == 1 else g_self).matmul(weight.mT)
+    if g_weight is not None:
+        grad_grad_output = grad_grad_output + (self.unsqueeze(0) if self.dim() == 1 else self).matmul(g_weight.mT)
+    if g_bias is not None:
+        grad_grad_output = grad_grad_output + g_bias
+    if grad_grad_output is not None and go_1d:
+        grad_grad_output = grad_grad_output.squeeze(0)
+    return grad_self, grad_grad_output, grad_weight
+
+
+# ---------------------------------------------------------------------------
+# FFT
+# ---------------------------------------------------------------------------
+
+
+@register
+def fft_r2c_backward(grad, dim, normalization, onesided, last_dim_size):
+    """VJP of the real-to-complex FFT ``_fft_r2c(self, dim, normalization, onesided)``.
+
+    ``grad``: complex, the output's shape; ``last_dim_size``: the input's size along
+    ``dim[-1]``. Two-sided: ``Re(ifft_c2c(grad))``; one-sided: ``grad`` is first
+    zero-padded along ``dim[-1]`` to ``last_dim_size``. Returns a real tensor shaped like
+    the input. Mirrors FunctionsManual `fft_r2c_backward`.
+    """
+    if not onesided:
+        return torch.real(torch.ops.aten._fft_c2c(grad, dim, normalization, False))
+    last_dim = dim[-1] % grad.dim()
+    zero_length = last_dim_size - grad.shape[last_dim]
+    full = grad
+    if zero_length > 0:
+        pad_shape = list(grad.shape)
+        pad_shape[last_dim] = zero_length
+        full = torch.cat([grad, grad.new_zeros(pad_shape)], last_dim)
+    return torch.real(torch.ops.aten._fft_c2c(full, dim, normalization, False))
+
+
+@register
+def fft_c2r_backward(grad, dim, normalization):
+    """VJP of the (one-sided) complex-to-real inverse FFT ``_fft_c2r(self, dim,
+    normalization, last_dim_size)``: ``rfft(grad)`` with the entries whose conjugate
+    mirror lies outside the one-sided half (indices 1 .. N - N//2 - 1 along ``dim[-1]``)
+    doubled. ``grad``: real, the output's shape; result: complex, the input's shape.
+    Mirrors FunctionsManual `fft_c2r_backward`.
+    """
+    gI = torch.ops.aten._fft_r2c(grad, dim, normalization, True)
+    double_length = grad.shape[dim[-1]] - gI.shape[dim[-1]]
+    if double_length > 0:
+        gI.narrow(dim[-1], 1, double_length).mul_(2)
+    return gI
+
+
+# ---------------------------------------------------------------------------
+# dropout
+# ---------------------------------------------------------------------------
+
+
+@register
+def infinitely_differentiable_native_dropout_backward(grad, mask, scale):
+    """VJP of ``native_dropout`` w.r.t. its input: ``grad * mask * scale`` (``scale`` is
+    ``1 / (1 - p)`` in training). Mirrors FunctionsManual
+    `infinitely_differentiable_native_dropout_backward`."""
+    return grad * (mask.type_as(grad) * scale)
+
+
+@register
+def native_dropout_double_backward(ggI, grad, mask, scale):
+    """Double backward of dropout: VJP of ``native_dropout_backward(grad, mask, scale)``
+    w.r.t. ``grad``, i.e. ``ggI * mask * scale`` in ``grad``'s dtype.
+    Mirrors FunctionsManual `native_dropout_double_backward`."""
+    return ggI.type_as(grad) * (mask.type_as(grad) * scale)
+
+
+@register
+def _fused_dropout_backward(grad, mask, p1m):
+    """VJP of the CUDA-only ``_fused_dropout(self, p)`` w.r.t. ``self``:
+    ``grad * mask / p1m`` (``p1m = 1 - p``). Uses the fused ``_masked_scale`` kernel when
+    ``grad`` is a CUDA tensor that does not require grad, as the C++ does; the plain
+    product otherwise. Mirrors FunctionsManual `_fused_dropout_backward`.
+    """
+    if grad.requires_grad or not grad.is_cuda:
+        return grad * (mask.type_as(grad) * (1.0 / p1m))
+    return torch.ops.aten._masked_scale(grad, mask, 1.0 / p1m)
