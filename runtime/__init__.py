@@ -1,1 +1,24 @@
-"""vjpgen runtime: helpers the generated formulas call, graph capture and compilation."""
+"""vjpgen runtime: helpers the generated formulas call, graph capture and compilation.
+
+Public API (see shared/design.md): :func:`call_functional`, :func:`backward`, :func:`grad`,
+:func:`compiled_autograd`, :func:`stats`, :func:`explain`.
+"""
+
+from . import hooks as _hooks
+
+_hooks.install()
+
+from .api import backward, call_functional, clear_cache, compiled_autograd, grad  # noqa: E402
+from .explain import explain  # noqa: E402
+from .stats import reset_stats, stats  # noqa: E402
+
+__all__ = [
+    "backward",
+    "call_functional",
+    "clear_cache",
+    "compiled_autograd",
+    "explain",
+    "grad",
+    "reset_stats",
+    "stats",
+]

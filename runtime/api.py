@@ -1,0 +1,302 @@
+"""Public API of the runtime: call_functional, backward, grad, compiled_autograd."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Sequence
+
+import torch
+
+from . import engine, hooks
+from .stats import STATS, record_eager_fallback
+
+log = logging.getLogger("vjpgen")
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+_PLANS: dict = {}
+_warned_create_graph = False
+
+# the functions torch had before compiled_autograd() patched anything
+_orig_autograd_backward = torch.autograd.backward
+_orig_tensor_backward = torch.Tensor.backward
+
+
+def call_functional(node, grads) -> tuple:
+    """Run ``node``'s backward through its generated module: same contract as ``node(*grads)``
+    (one entry per ``next_functions`` edge). Raises NotImplementedError naming the node class when
+    no working module exists."""
+    name = type(node).__name__
+    m = engine._get_module(name)
+    if m is None:
+        raise NotImplementedError(f"vjpgen: no generated module for backward node {name}")
+    if not getattr(m, "TRANSLATED", True):
+        raise NotImplementedError(f"vjpgen: the formula of {name} is not translated")
+    return tuple(m.apply_functional_ivalue(list(grads), m.get_state(node)))
+
+
+def clear_cache() -> None:
+    """Forget every plan and compiled graph."""
+    _PLANS.clear()
+
+
+def _tensors(x) -> tuple:
+    if x is None:
+        return ()
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, torch.autograd.graph.GradientEdge):
+        return (x,)
+    return tuple(x)
+
+
+def _gradient_edge(t: torch.Tensor, what: str, i: int):
+    if isinstance(t, torch.autograd.graph.GradientEdge):
+        return (t.node, t.output_nr)
+    if not t.requires_grad:
+        raise RuntimeError(
+            f"element {i} of {what} does not require grad and does not have a grad_fn"
+        )
+    e = torch.autograd.graph.get_gradient_edge(t)
+    return (e.node, e.output_nr)
+
+
+def _check_not_freed(root_nodes) -> None:
+    for n in root_nodes:
+        if n.metadata.get(engine._FREED):
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved "
+                "tensors after they have already been freed). Specify retain_graph=True if you "
+                "need to backward through the graph a second time (vjpgen)."
+            )
+
+
+def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused):
+    """Common path of backward() and grad(); returns captured grads (grad mode) or None."""
+    if backend not in BACKENDS and not callable(backend):
+        raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
+    STATS.backward_calls += 1
+    grads = torch.autograd._make_grads(outputs, grad_outputs, is_grads_batched=False)
+    root_edges = [_gradient_edge(t, "tensors", i) for i, t in enumerate(outputs)]
+    root_nodes = [n for n, _ in root_edges]
+    _check_not_freed(root_nodes)
+
+    targets_edges = None
+    if inputs is not None:
+        targets_edges = []
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.autograd.graph.GradientEdge):
+                targets_edges.append((t.node, t.output_nr))
+                continue
+            if not t.requires_grad:
+                raise RuntimeError("One of the differentiated Tensors does not require grad")
+            targets_edges.append(_gradient_edge(t, "inputs", i))
+
+    check_t = hooks.any_tensor_hooks()
+    check_n = hooks.any_node_hooks()
+    nodes, metas, hooked, key = engine.collect(root_edges, check_t, check_n)
+    index = {}
+    for i, n in enumerate(nodes):
+        index[n] = i
+    root_idx = tuple((index[n], nr) for n, nr in root_edges)
+    targets = None
+    if targets_edges is not None:
+        targets = tuple(
+            (index[n], nr) if n in index else None for n, nr in targets_edges
+        )
+    hooked_sig = tuple(sorted((i, h.describe()) for i, h in hooked.items())) if hooked else ()
+    skey = (key, root_idx, targets, accumulate, hooked_sig, backend)
+    plan = _PLANS.get(skey)
+    if plan is None:
+        plan = engine.build_plan(nodes, metas, hooked, key, root_idx, targets, accumulate)
+        _PLANS[skey] = plan
+        STATS.plans += 1
+        for st in plan.steps:
+            if isinstance(st, engine.LiveStep):
+                info = plan.infos[st.node]
+                engine.record_break(info.name, info.live[1])
+        log.debug(
+            "vjpgen: new graph structure: %d nodes, %d steps, %d graph breaks",
+            len(nodes), len(plan.steps), plan.n_breaks,
+        )
+    else:
+        plan.hooked = hooked or {}
+    if plan.eager_reason is not None:
+        return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason)
+
+    ctx = engine.CallContext(backend)
+    ctx.graphs = _explain_sink[-1] if _explain_sink else None
+    with torch.no_grad():
+        buf = engine.execute(plan, nodes, metas, grads, ctx)
+        # sinks
+        for ai, s in plan.acc_sinks:
+            g = buf[s]
+            nh = plan.hooked.get(ai)
+            if g is None and nh is None:
+                continue
+            engine.accumulate_leaf(nodes[ai], g, ctx, nh)
+        result = None
+        if targets is not None:
+            captured = [None if s is None else buf[s] for s in plan.target_slots]
+            if accumulate:
+                for t, tgt, g in zip(inputs, targets, captured):
+                    if g is None or tgt is None or plan.infos[tgt[0]].is_acc:
+                        continue
+                    # backward(inputs=[non-leaf]) retains the grad on that tensor
+                    if t.grad is None:
+                        t.grad = g.clone() if id(g) in ctx.protected else g
+                    else:
+                        t.grad = t.grad + g
+            else:
+                for i, g in enumerate(captured):
+                    if g is None and not allow_unused:
+                        raise RuntimeError(
+                            "One of the differentiated Tensors appears to not have been used in "
+                            "the graph. Set allow_unused=True if this is the desired behavior."
+                        )
+                result = tuple(captured)
+    if not retain_graph:
+        for n in root_nodes:
+            n.metadata[engine._FREED] = True
+    return result
+
+
+def _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, reason, create_graph=False):
+    record_eager_fallback(reason)
+    log.debug("vjpgen: falling back to torch.autograd: %s", reason)
+    if accumulate:
+        _orig_autograd_backward(
+            outputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
+        )
+        return None
+    return torch.autograd.grad(
+        outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
+        allow_unused=allow_unused,
+    )
+
+
+def _warn_create_graph() -> None:
+    global _warned_create_graph
+    if not _warned_create_graph:
+        _warned_create_graph = True
+        warnings.warn(
+            "vjpgen: create_graph=True is not supported by the compiled backward; "
+            "falling back to torch.autograd (warned once)",
+            stacklevel=3,
+        )
+
+
+def backward(
+    tensors,
+    grad_tensors=None,
+    *,
+    retain_graph=None,
+    create_graph=False,
+    inputs=None,
+    backend="inductor",
+) -> None:
+    """Like :func:`torch.autograd.backward`, through vjpgen's compiled backward."""
+    outputs = _tensors(tensors)
+    if grad_tensors is not None:
+        grad_tensors = _tensors(grad_tensors) if not isinstance(grad_tensors, torch.Tensor) else (grad_tensors,)
+        grad_tensors = tuple(grad_tensors)
+    else:
+        grad_tensors = (None,) * len(outputs)
+    if inputs is not None:
+        inputs = _tensors(inputs)
+        if len(inputs) == 0:
+            raise RuntimeError("'inputs' argument to backward() cannot be empty.")
+    if retain_graph is None:
+        retain_graph = create_graph
+    if create_graph:
+        _warn_create_graph()
+        _eager(outputs, grad_tensors, inputs, retain_graph, True, None, "create_graph=True", True)
+        return None
+    _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None)
+    return None
+
+
+def grad(
+    outputs,
+    inputs,
+    grad_outputs=None,
+    *,
+    retain_graph=None,
+    create_graph=False,
+    allow_unused=None,
+    backend="inductor",
+):
+    """Like :func:`torch.autograd.grad`, through vjpgen's compiled backward (``.grad`` untouched)."""
+    outs = _tensors(outputs)
+    ins = _tensors(inputs)
+    if grad_outputs is None:
+        grad_outputs = (None,) * len(outs)
+    else:
+        grad_outputs = (grad_outputs,) if isinstance(grad_outputs, torch.Tensor) else tuple(grad_outputs)
+    if allow_unused is None:
+        allow_unused = False
+    if retain_graph is None:
+        retain_graph = create_graph
+    if create_graph:
+        _warn_create_graph()
+        return _eager(outs, grad_outputs, ins, retain_graph, False, allow_unused, "create_graph=True", True)
+    return _run(outs, grad_outputs, ins, retain_graph, backend, False, allow_unused)
+
+
+# ------------------------------------------------------------------------------------------
+# explain support: region graphs of a call are collected here while explain() runs
+
+_explain_sink: list = []
+
+
+# ------------------------------------------------------------------------------------------
+# the context manager
+
+_backend_stack: list = []
+
+
+def _patched_autograd_backward(
+    tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None
+):
+    if grad_variables is not None and grad_tensors is None:
+        grad_tensors = grad_variables
+    if not _backend_stack:
+        return _orig_autograd_backward(
+            tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
+        )
+    return backward(
+        tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
+        backend=_backend_stack[-1],
+    )
+
+
+def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    if not _backend_stack or (
+        torch.overrides.has_torch_function_unary(self)
+    ):
+        return _orig_tensor_backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+    return backward(
+        self, gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
+        backend=_backend_stack[-1],
+    )
+
+
+@contextlib.contextmanager
+def compiled_autograd(backend="inductor"):
+    """Within the block, ``Tensor.backward`` and ``torch.autograd.backward`` run through vjpgen."""
+    if backend not in BACKENDS and not callable(backend):
+        raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
+    _backend_stack.append(backend)
+    patched_here = torch.autograd.backward is not _patched_autograd_backward
+    if patched_here:
+        torch.autograd.backward = _patched_autograd_backward
+        torch.Tensor.backward = _patched_tensor_backward
+    try:
+        yield
+    finally:
+        _backend_stack.pop()
+        if patched_here:
+            torch.autograd.backward = _orig_autograd_backward
+            torch.Tensor.backward = _orig_tensor_backward

@@ -1,0 +1,159 @@
+"""Guards and the compiled-graph cache of one region.
+
+A region's inputs are flattened (see :func:`vjpgen.runtime.capture.flatten`) into
+
+* ``S``: the static part (node state that is not a tensor or a size, None-ness of grads, edge dtypes),
+* ``T``: the tensors (saved tensors and incoming grads),
+* ``I``: ints that hold sizes (``SymInt`` saved values, shapes of the inputs grads flow into).
+
+An entry compiled with everything static is found by the exact key ``(S, metadata of T, I)``.
+When a lookup misses although the coarse key ``(S, dtype/device/rank of T, len(I))`` was seen
+before, the sizes that differ from the previous call are marked dynamic (torch.compile's automatic
+dynamic shapes) and the region is traced again with those sizes symbolic; such an entry is guarded
+by the ShapeEnv's guard expression over all of ``T`` and ``I`` (sizes, strides, relations).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+log = logging.getLogger("vjpgen")
+
+_GUARD_ARG = re.compile(r"L\['t(\d+)'\]")
+
+
+def full_key(S: tuple, T: list, I: list):
+    return (S, tuple([(t.dtype, t.device, t.shape, t.stride()) for t in T]), tuple(I))
+
+
+def coarse_key(S: tuple, T: list, I: list):
+    return (S, tuple([(t.dtype, t.device, t.dim()) for t in T]), len(I))
+
+
+class Compiled:
+    """One compiled graph of a region."""
+
+    __slots__ = ("fn", "present", "guard", "guard_src", "gm", "dyn_ints", "n_tensors", "dynamic", "hits")
+
+    def __init__(self, fn, present, gm, n_tensors, dyn_ints=(), guard=None, guard_src=None):
+        self.fn = fn
+        self.present = present  # per region output: produced (True) or undefined (False)
+        self.gm = gm  # the traced FX graph (for explain)
+        self.n_tensors = n_tensors
+        self.dyn_ints = tuple(dyn_ints)  # positions of I passed as graph inputs
+        self.guard = guard  # callable(args_list) -> bool, dynamic entries only
+        self.guard_src = guard_src
+        self.dynamic = guard is not None
+        self.hits = 0
+
+    def args(self, T: list, I: list) -> list:
+        if self.dyn_ints:
+            return T + [I[j] for j in self.dyn_ints]
+        return T
+
+
+def make_guard(shape_env, fakes, ivals):
+    """Compile the ShapeEnv guards of a dynamic trace into ``guard(T + I) -> bool``."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    placeholders = list(fakes) + list(ivals)
+    expr = shape_env.produce_guards_expression(placeholders, ignore_static=False)
+    if not expr:
+        return (lambda a: True), "True"
+    body = _GUARD_ARG.sub(lambda m: f"a[{m.group(1)}]", expr)
+    fn = eval(f"lambda a: {body}", dict(SYMPY_INTERP))
+    return fn, expr
+
+
+class RegionCache:
+    """Compiled graphs of one region of one plan, with the dynamic-dimension state."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.exact: dict = {}
+        self.dynamic: dict = {}  # coarse key -> [Compiled]
+        self.dyn_dims: dict = {}  # coarse key -> ({tensor index: set(dims)}, set(int positions))
+        self.last: dict = {}  # coarse key -> (shapes, ints) of the last miss
+        self.last_coarse = None
+        self.n_compiled = 0
+
+    def lookup(self, S: tuple, T: list, I: list):
+        """Returns (Compiled or None, full key)."""
+        fk = full_key(S, T, I)
+        c = self.exact.get(fk)
+        if c is not None:
+            return c, fk
+        if self.dynamic:
+            lst = self.dynamic.get(coarse_key(S, T, I))
+            if lst:
+                a = T + I
+                for c in lst:
+                    try:
+                        if c.guard(a):
+                            return c, fk
+                    except Exception:  # a guard that cannot evaluate does not match
+                        continue
+        return None, fk
+
+    def plan_miss(self, S: tuple, T: list, I: list, labels_T=None, labels_I=None):
+        """Decide how to compile after a miss: returns (dyn_dims, dyn_ints, reason)."""
+        ck = coarse_key(S, T, I)
+        shapes = [tuple(t.shape) for t in T]
+        prev = self.last.get(ck)
+        dd, di = self.dyn_dims.get(ck, ({}, set()))
+        dd = {k: set(v) for k, v in dd.items()}
+        di = set(di)
+        changes = []
+        if prev is not None:
+            pshapes, pints = prev
+            for ti, (a, b) in enumerate(zip(pshapes, shapes)):
+                for d, (x, y) in enumerate(zip(a, b)):
+                    if x != y and d not in dd.get(ti, ()):
+                        dd.setdefault(ti, set()).add(d)
+                        name = labels_T[ti] if labels_T else f"tensor {ti}"
+                        changes.append(f"size of {name} dim {d} changed {x} -> {y}")
+            for j, (x, y) in enumerate(zip(pints, I)):
+                if x != y and j not in di:
+                    di.add(j)
+                    name = labels_I[j] if labels_I else f"int {j}"
+                    changes.append(f"{name} changed {x} -> {y}")
+        self.last[ck] = (shapes, list(I))
+        if changes:
+            reason = "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else "") + " (now dynamic)"
+        elif prev is not None:
+            reason = "strides or dynamic-shape guards changed"
+        elif self.n_compiled == 0:
+            reason = "first compile"
+        else:
+            reason = _diff_reason(self.last_coarse, ck)
+        self.dyn_dims[ck] = (dd, di)
+        self.last_coarse = ck
+        return dd, di, reason
+
+    def add(self, S, T, I, fk, compiled: Compiled) -> None:
+        self.n_compiled += 1
+        if compiled.dynamic:
+            self.dynamic.setdefault(coarse_key(S, T, I), []).insert(0, compiled)
+        else:
+            self.exact[fk] = compiled
+
+
+def _diff_reason(old, new) -> str:
+    if old is None:
+        return "new graph variant"
+    oS, oT, oI = old
+    nS, nT, nI = new
+    if oT != nT:
+        for i, (a, b) in enumerate(zip(oT, nT)):
+            if a != b:
+                return f"tensor {i} dtype/device/rank changed {a} -> {b}"
+        return f"number of tensors changed {len(oT)} -> {len(nT)}"
+    if oS != nS:
+        for i, (a, b) in enumerate(zip(oS, nS)):
+            if a != b:
+                return f"static saved state changed at position {i}: {a!r} -> {b!r}"
+        return "static saved state changed"
+    return f"number of sizes changed {oI} -> {nI}"

@@ -1,0 +1,263 @@
+"""Capture: flatten saved state, trace a region of ``apply_functional`` calls with make_fx into
+one FX graph of aten ops, and compile it (Inductor, aot_eager or eager).
+
+A region's traced function takes ``(*tensors, *dynamic_ints)``: the saved tensors and incoming
+grads (deduplicated by identity) followed by the sizes marked dynamic; everything else in the saved
+state is a constant of the graph and part of its cache key (see :mod:`vjpgen.runtime.cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+log = logging.getLogger("vjpgen")
+
+# --------------------------------------------------------------------------------------------
+# saved-state flattening
+#
+# ``flatten(value, sym, T, tid, I, S)`` appends tensors to T (deduplicated by id via tid), ints
+# that may become dynamic to I, and a description of everything else to S (the static part of the
+# cache key).  ``unflatten`` rebuilds the value from S, a tensor list and an int list.
+
+_T = "T"  # marker: next tensor (index follows)
+_I = "I"  # marker: next dynamic-eligible int
+_SEQ = "L"  # marker: list/tuple (type, len follow)
+_DC = "D"  # marker: dataclass (type follows, then fields)
+
+
+def _sym_schema(schema: str) -> bool:
+    """Ints under this schema type may become dynamic (they hold sizes)."""
+    return "SymInt" in schema or schema in ("TypeAndSize", "TensorGeometry")
+
+
+def flatten(value, sym: bool, T: list, tid: dict, I: list, S: list) -> None:
+    if isinstance(value, torch.Tensor):
+        k = id(value)
+        pos = tid.get(k)
+        if pos is None:
+            pos = tid[k] = len(T)
+            T.append(value)
+        S.append(_T)
+        S.append(pos)
+    elif value is None or value is True or value is False:
+        S.append(value)
+    elif type(value) is int:
+        if sym:
+            I.append(value)
+            S.append(_I)
+        else:
+            S.append(value)
+    elif isinstance(value, (tuple, list, torch.Size)):
+        S.append(_SEQ)
+        S.append(type(value))
+        S.append(len(value))
+        for v in value:
+            flatten(v, sym, T, tid, I, S)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        S.append(_DC)
+        S.append(type(value))
+        for f in dataclasses.fields(value):
+            flatten(getattr(value, f.name), sym or f.name.startswith("sym_"), T, tid, I, S)
+    else:
+        try:
+            hash(value)
+        except TypeError:
+            value = ("unhashable", type(value).__name__, repr(value))
+        if isinstance(value, str) and value in (_T, _I, _SEQ, _DC):
+            value = ("str", value)
+        S.append(value)
+
+
+def unflatten(S, pos: int, T, I, ipos: list):
+    """Rebuild one value from S[pos:]; returns (value, next_pos). ``ipos`` is a one-element cursor."""
+    tag = S[pos]
+    if tag is _T or (type(tag) is str and tag == _T):
+        return T[S[pos + 1]], pos + 2
+    if type(tag) is str and tag == _I:
+        v = I[ipos[0]]
+        ipos[0] += 1
+        return v, pos + 1
+    if type(tag) is str and tag == _SEQ:
+        typ, n = S[pos + 1], S[pos + 2]
+        pos += 3
+        out = []
+        for _ in range(n):
+            v, pos = unflatten(S, pos, T, I, ipos)
+            out.append(v)
+        if typ is torch.Size:
+            typ = tuple
+        return (out if typ is list else typ(out)), pos
+    if type(tag) is str and tag == _DC:
+        typ = S[pos + 1]
+        pos += 2
+        kw = {}
+        for f in dataclasses.fields(typ):
+            kw[f.name], pos = unflatten(S, pos, T, I, ipos)
+        return typ(**kw), pos
+    if type(tag) is tuple and len(tag) == 2 and tag[0] == "str":
+        return tag[1], pos + 1
+    return tag, pos + 1
+
+
+# --------------------------------------------------------------------------------------------
+# engine-equivalent grad adjustment (torch/csrc/autograd/engine.cpp validate_outputs)
+
+
+def sum_to(grad: torch.Tensor, shape) -> torch.Tensor:
+    """Sum ``grad`` down to ``shape`` (leading dims and broadcast size-1 dims)."""
+    lead = grad.dim() - len(shape)
+    dims = list(range(lead))
+    gshape = grad.shape
+    for i, s in enumerate(shape):
+        if s == 1 and gshape[lead + i] != 1:
+            dims.append(lead + i)
+    if dims:
+        grad = grad.sum(dims, keepdim=True)
+    if lead:
+        grad = grad.reshape(shape)
+    return grad
+
+
+def _expandable(shape, desired) -> bool:
+    if len(shape) > len(desired):
+        return False
+    for a, b in zip(reversed(shape), reversed(desired)):
+        if a != b and a != 1:
+            return False
+    return True
+
+
+def validate_grad(grad: torch.Tensor, shape, dtype, device, what: str = "") -> torch.Tensor:
+    """Make ``grad`` match the metadata of the input it flows into, as the engine does."""
+    gshape = grad.shape
+    if len(gshape) != len(shape) or any(a != b for a, b in zip(gshape, shape)):
+        if not _expandable(shape, gshape):
+            raise RuntimeError(
+                f"vjpgen: invalid gradient {what}: got shape {list(gshape)} but expected shape "
+                f"compatible with {list(shape)}"
+            )
+        grad = sum_to(grad, shape)
+    if grad.dtype != dtype:
+        grad = grad.to(dtype)
+    if grad.device != device:
+        if grad.dim() == 0 and grad.device.type == "cpu":
+            grad = grad.to(device)
+        else:
+            raise RuntimeError(
+                f"vjpgen: invalid gradient {what}: expected device {device} but got {grad.device}"
+            )
+    return grad
+
+
+def accumulate(a, b):
+    """InputBuffer::add: undefined grads are skipped."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+# --------------------------------------------------------------------------------------------
+# tracing
+
+
+def fakeify(tensors, ints, dyn_dims, dyn_ints):
+    """Fake inputs for make_fx: a fresh ShapeEnv; dims in ``dyn_dims`` ({tensor_index: set(dim)})
+    and ints in ``dyn_ints`` (set of positions) are symbolic, everything else static.
+    Returns (fake_tensors, int_values (SymInt where dynamic), shape_env, fake_mode)."""
+    from torch._dynamo.source import ConstantSource, LocalSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=False)
+    fakes = []
+    for i, t in enumerate(tensors):
+        dd = dyn_dims.get(i, ())
+        ctx = StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC if d in dd else DimDynamic.STATIC for d in range(t.dim())]
+        )
+        # no source for 0-dim tensors: with one, FakeTensorMode turns wrapped numbers into SymFloats
+        src = LocalSource(f"t{i}") if t.dim() else None
+        fakes.append(mode.from_tensor(t, symbolic_context=ctx if t.dim() else None, source=src))
+    ivals = []
+    for j, v in enumerate(ints):
+        if j in dyn_ints:
+            ivals.append(
+                shape_env.create_unspecified_symint_and_symbol(v, LocalSource(f"i{j}"), DimDynamic.DYNAMIC)
+            )
+        else:
+            ivals.append(v)
+    return fakes, ivals, shape_env, mode
+
+
+def trace(fn, fake_args) -> torch.fx.GraphModule:
+    with torch.no_grad():
+        return make_fx(fn, tracing_mode="symbolic")(*fake_args)
+
+
+class Tagger:
+    """Tags FX nodes created during tracing with the backward node class they came from."""
+
+    def __init__(self) -> None:
+        self._last = None
+
+    def _graph(self):
+        try:
+            from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+            pm = get_proxy_mode()
+            return pm.tracer.graph if pm is not None else None
+        except Exception:  # pragma: no cover - private API moved
+            return None
+
+    def start(self) -> None:
+        g = self._graph()
+        self._last = None if g is None else g._root.prev
+
+    def tag(self, label: str) -> None:
+        g = self._graph()
+        if g is None:
+            return
+        n = self._last.next if self._last is not None else g._root.next
+        while n is not g._root:
+            n.meta.setdefault("vjpgen_node", label)
+            n = n.next
+        self._last = g._root.prev
+
+
+# --------------------------------------------------------------------------------------------
+# compiling
+
+_printed_progress = False
+
+
+def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
+    """Compile a traced graph; returns a callable taking ``*args`` and returning a list."""
+    if backend == "eager":
+        return gm.forward
+    if backend == "aot_eager":
+        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+
+        with torch.no_grad():
+            boxed = aot_module_simplified(
+                gm, list(fake_args), fw_compiler=lambda g, _: make_boxed_func(g)
+            )
+        return boxed
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch.no_grad():
+            return compile_fx(gm, list(fake_args))
+    if callable(backend):
+        return backend(gm, list(fake_args))
+    raise ValueError(f"vjpgen: unknown backend {backend!r} (expected 'inductor', 'aot_eager' or 'eager')")

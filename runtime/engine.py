@@ -1,0 +1,721 @@
+"""The graph walk: a Python mirror of torch/csrc/autograd/engine.cpp over generated kernels.
+
+For one backward call:
+
+1. :func:`collect` walks ``grad_fn.next_functions`` breadth-first from the roots and builds the
+   structure key (node classes, number of grads each takes, edges as node indices).
+2. The :class:`Plan` of that structure (built once, cached) knows which nodes run (those that lead
+   to a leaf or to a requested input), in what order (dependency counting, ties broken by sequence
+   number as the engine's ready queue does), which of them must be called live (no working module,
+   hooks, custom Functions) and how the rest split into compiled :class:`Region` s around them.
+3. :func:`execute` runs the steps: a region flattens its saved state, looks up its compiled graph
+   (guards in :mod:`vjpgen.runtime.cache`), traces and compiles on a miss, and calls it; a live
+   step calls the node (with its hooks) at a graph break. Grads meeting at one input are summed,
+   each grad is adjusted to the metadata of the input it flows into (``validate_outputs``).
+4. Sinks: AccumulateGrad semantics for leaves, captured grads for ``grad()``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+
+import torch
+
+from . import capture, hooks
+from .cache import Compiled, RegionCache, make_guard
+from .stats import STATS, record_break
+
+log = logging.getLogger("vjpgen")
+
+_FREED = "_vjpgen_freed"
+
+
+def _get_module(name: str):
+    from vjpgen import generated
+
+    gm = getattr(generated, "get_module", None)
+    if gm is None:
+        return None
+    try:
+        return gm(name)
+    except Exception as e:  # a module that fails to import is a missing module
+        log.debug("vjpgen: module for %s failed to import: %s", name, e)
+        return None
+
+
+_BackwardCFunction = torch.autograd.function.BackwardCFunction
+
+
+# ------------------------------------------------------------------------------------------
+# walking the live graph
+
+
+def collect(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
+    """Breadth-first walk from ``root_edges``; returns (nodes, metas, hooks, key)."""
+    nodes = []
+    index = {}
+    for n, _ in root_edges:
+        if n not in index:
+            index[n] = len(nodes)
+            nodes.append(n)
+    key = []
+    metas = []
+    hooked = None
+    i = 0
+    while i < len(nodes):
+        n = nodes[i]
+        md = n._input_metadata
+        metas.append(md)
+        edges = []
+        for m, nr in n.next_functions:
+            if m is None:
+                edges.append(None)
+            else:
+                j = index.get(m)
+                if j is None:
+                    j = index[m] = len(nodes)
+                    nodes.append(m)
+                edges.append((j, nr))
+        key.append((type(n), len(md), tuple(edges)))
+        i += 1
+    if check_tensor_hooks or check_node_hooks:
+        hooked = {}
+        for i, n in enumerate(nodes):
+            if type(n).__name__ == "AccumulateGrad":
+                if check_node_hooks:
+                    h = hooks.node_hooks(n, False, True)
+                    if h:
+                        hooked[i] = h
+                continue
+            h = hooks.node_hooks(n, check_tensor_hooks, check_node_hooks)
+            if h:
+                hooked[i] = h
+    return nodes, metas, hooked, tuple(key)
+
+
+# ------------------------------------------------------------------------------------------
+# plans
+
+
+class NodeInfo:
+    __slots__ = (
+        "cls", "name", "module", "is_acc", "pyfunc", "live", "num_inputs", "edges", "sc",
+        "in_slots", "out", "n_saved", "sym_flags", "saved_names",
+    )
+
+    def __init__(self, cls, num_inputs, edges):
+        self.cls = cls
+        self.name = cls.__name__
+        self.num_inputs = num_inputs
+        self.edges = edges  # per next_functions edge: (dest index, input_nr) or None
+        self.is_acc = self.name == "AccumulateGrad"
+        self.pyfunc = issubclass(cls, _BackwardCFunction)
+        self.module = None
+        self.live = None  # None: traced; else (mode, reason), mode "node" | "module"
+        self.sc = None  # should_compute mask (tuple) or None when every valid edge is needed
+        self.in_slots = ()  # per input: slot or None
+        self.out = ()  # needed edges: (edge index, slot, dest, input_nr)
+        self.n_saved = 0
+        self.sym_flags = ()
+        self.saved_names = ()
+
+
+class Region:
+    __slots__ = ("nodes", "in_slots", "out_slots", "out_replace", "cache", "label", "index")
+
+    def __init__(self, index, nodes):
+        self.index = index
+        self.nodes = nodes
+        self.in_slots = []
+        self.out_slots = []
+        self.out_replace = []
+        self.label = f"region {index}"
+        self.cache = RegionCache(self.label)
+
+
+class LiveStep:
+    __slots__ = ("node",)
+
+    def __init__(self, node):
+        self.node = node
+
+
+class Plan:
+    def __init__(self):
+        self.infos: list[NodeInfo] = []
+        self.order: list[int] = []
+        self.steps: list = []
+        self.slot_of: dict = {}
+        self.nslots = 0
+        self.root_slots: list = []
+        self.acc_sinks: list = []  # (node index, slot)
+        self.target_slots: list = []  # per target: slot or None (grad() / backward(inputs=))
+        self.eager_reason = None  # whole call must go to torch.autograd
+        self.hooked: dict = {}
+        self.n_breaks = 0
+
+
+def _module_for(info: NodeInfo):
+    if info.is_acc:
+        return None, None
+    if info.pyfunc:
+        return None, ("node", "custom autograd.Function backward")
+    m = _get_module(info.name)
+    if m is None:
+        return None, ("node", "no generated module")
+    if not getattr(m, "TRANSLATED", True):
+        return m, ("node", "formula not translated")
+    return m, None
+
+
+def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: bool) -> Plan:
+    """``targets``: None (backward without inputs) or a list of (node index, input_nr) / None."""
+    p = Plan()
+    N = len(nodes)
+    infos = p.infos
+    for i, (cls, nin, edges) in enumerate(key):
+        info = NodeInfo(cls, nin, edges)
+        info.module, info.live = _module_for(info)
+        if hooked and i in hooked and not info.is_acc:
+            info.live = ("node", hooked[i].describe())
+        if info.module is not None and info.live is None:
+            schema = getattr(info.module, "SCHEMA", ())
+            info.sym_flags = tuple(capture._sym_schema(s) for s in schema)
+            info.n_saved = len(schema)
+            info.saved_names = tuple(getattr(info.module, "SAVED", ())) or tuple(
+                f"saved{k}" for k in range(len(schema))
+            )
+        if info.pyfunc:
+            n = nodes[i]
+            nvalid = sum(1 for e in edges if e is not None)
+            if sum(1 for b in n.needs_input_grad if b) != nvalid:
+                p.eager_reason = f"{info.name}: cannot map backward outputs to edges"
+        infos.append(info)
+    p.hooked = hooked or {}
+
+    target_set = set()
+    if targets is not None:
+        for t in targets:
+            if t is not None:
+                target_set.add(t)
+
+    def is_sink(dest, nr):
+        if targets is None:
+            return infos[dest].is_acc
+        return (dest, nr) in target_set
+
+    # topological order over all reachable nodes (Kahn), then "needed" in reverse
+    indeg = [0] * N
+    for info in infos:
+        for e in info.edges:
+            if e is not None:
+                indeg[e[0]] += 1
+    ready = [i for i in range(N) if indeg[i] == 0]
+    topo = []
+    while ready:
+        i = ready.pop()
+        topo.append(i)
+        for e in infos[i].edges:
+            if e is not None:
+                indeg[e[0]] -= 1
+                if indeg[e[0]] == 0:
+                    ready.append(e[0])
+    needed = [False] * N
+    for i in reversed(topo):
+        info = infos[i]
+        if info.is_acc:
+            continue
+        for e in info.edges:
+            if e is not None and (needed[e[0]] or is_sink(*e)):
+                needed[i] = True
+                break
+
+    def edge_needed(e):
+        return e is not None and (needed[e[0]] or is_sink(*e))
+
+    # slots
+    slot_of = p.slot_of
+
+    def slot(dest, nr):
+        s = slot_of.get((dest, nr))
+        if s is None:
+            s = slot_of[(dest, nr)] = len(slot_of)
+        return s
+
+    for (ri, nr) in root_edges_idx:
+        p.root_slots.append(slot(ri, nr))
+    producers: dict = {}
+    for i in range(N):
+        info = infos[i]
+        if not needed[i]:
+            continue
+        out = []
+        mask = []
+        for j, e in enumerate(info.edges):
+            en = edge_needed(e)
+            mask.append(en)
+            if en:
+                s = slot(*e)
+                out.append((j, s, e[0], e[1]))
+                producers.setdefault(s, []).append(i)
+        info.out = tuple(out)
+        valid = [e is not None for e in info.edges]
+        info.sc = None if mask == valid else tuple(mask)
+    for i in range(N):
+        infos[i].in_slots = tuple(slot_of.get((i, k)) for k in range(infos[i].num_inputs))
+    p.nslots = len(slot_of)
+    if targets is None:
+        for i in range(N):
+            if infos[i].is_acc and (i, 0) in slot_of:
+                p.acc_sinks.append((i, slot_of[(i, 0)]))
+    else:
+        for t in targets:
+            p.target_slots.append(None if t is None else slot_of.get(t))
+        if accumulate:
+            for t in targets:
+                if t is not None and infos[t[0]].is_acc and t in slot_of:
+                    p.acc_sinks.append((t[0], slot_of[t]))
+
+    # execution order: dependency counting over needed nodes, ready queue by sequence number
+    run = [i for i in range(N) if needed[i]]
+    deps = [0] * N
+    for i in run:
+        for (_, _, d, _) in infos[i].out:
+            if needed[d]:
+                deps[d] += 1
+    heap = [(-nodes[i]._sequence_nr(), i) for i in run if deps[i] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        order.append(i)
+        for (_, _, d, _) in infos[i].out:
+            if needed[d]:
+                deps[d] -= 1
+                if deps[d] == 0:
+                    heapq.heappush(heap, (-nodes[d]._sequence_nr(), d))
+    p.order = order
+    _partition(p)
+    return p
+
+
+def _partition(p: Plan) -> None:
+    """Split the execution order into compiled regions around live nodes (stages)."""
+    infos = p.infos
+    order = p.order
+    stage = {}
+    for i in order:
+        stage.setdefault(i, 0)
+    for i in order:
+        s = stage[i] + (1 if infos[i].live is not None else 0)
+        for (_, _, d, _) in infos[i].out:
+            if d in stage and stage[d] < s:
+                stage[d] = s
+    nstages = max(stage.values(), default=-1) + 1
+    steps = []
+    p.n_breaks = 0
+    for k in range(nstages):
+        traced = [i for i in order if stage[i] == k and infos[i].live is None]
+        live = [i for i in order if stage[i] == k and infos[i].live is not None]
+        if traced:
+            steps.append(Region(sum(isinstance(s, Region) for s in steps), traced))
+        for i in live:
+            steps.append(LiveStep(i))
+            p.n_breaks += 1
+    # region inputs / outputs
+    root_slots = set(p.root_slots)
+    producers: dict = {}
+    for i in order:
+        for (_, s, _, _) in infos[i].out:
+            producers.setdefault(s, set()).add(i)
+    sink_slots = {s for _, s in p.acc_sinks} | {s for s in p.target_slots if s is not None}
+    for step in steps:
+        if not isinstance(step, Region):
+            continue
+        members = set(step.nodes)
+        consumed = []
+        for i in step.nodes:
+            for s in infos[i].in_slots:
+                if s is not None:
+                    consumed.append(s)
+        ins = []
+        for s in consumed:
+            if s in ins:
+                continue
+            if s in root_slots or any(q not in members for q in producers.get(s, ())):
+                ins.append(s)
+        step.in_slots = ins
+        consumed_set = set(consumed)
+        outs = []
+        for i in step.nodes:
+            for (_, s, d, _) in infos[i].out:
+                if s in outs:
+                    continue
+                if d not in members or s in sink_slots:
+                    outs.append(s)
+        step.out_slots = outs
+        step.out_replace = [s in consumed_set and s in ins for s in outs]
+    p.steps = steps
+
+
+# ------------------------------------------------------------------------------------------
+# executing
+
+
+class _NodeTraceError(Exception):
+    def __init__(self, node_index, exc):
+        super().__init__(str(exc))
+        self.node_index = node_index
+        self.exc = exc
+
+
+def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False):
+    """Flatten a region's inputs: (S tuple, T list, I list, tid, labels_T, labels_I)."""
+    T: list = []
+    tid: dict = {}
+    I: list = []
+    S: list = []
+    flatten = capture.flatten
+    lT = [] if labels else None
+    lI = [] if labels else None
+    for s in region.in_slots:
+        g = buf[s]
+        if g is None:
+            S.append(None)
+        else:
+            flatten(g, False, T, tid, I, S)
+            if labels and len(lT) < len(T):
+                lT.append(f"incoming grad (slot {s})")
+    infos = plan.infos
+    for i in region.nodes:
+        info = infos[i]
+        node = nodes[i]
+        state = info.module.get_state(node, info.sc.__getitem__ if info.sc is not None else None)
+        S.append(tuple(state[0]))
+        if labels:
+            for k, (v, sym) in enumerate(zip(state[1:], info.sym_flags)):
+                nT, nI = len(T), len(I)
+                flatten(v, sym, T, tid, I, S)
+                nm = f"{info.name}[{i}].{info.saved_names[k] if k < len(info.saved_names) else k}"
+                lT.extend([nm] * (len(T) - nT))
+                lI.extend([nm] * (len(I) - nI))
+        else:
+            for v, sym in zip(state[1:], info.sym_flags):
+                flatten(v, sym, T, tid, I, S)
+        if len(state) - 1 != info.n_saved:
+            raise RuntimeError(f"vjpgen: {info.name}.get_state returned {len(state) - 1} saved values, SCHEMA has {info.n_saved}")
+        for (_, _, d, nr) in info.out:
+            m = metas[d][nr]
+            shape = m.shape
+            S.append(m.dtype)
+            S.append(m.device)
+            S.append(len(shape))
+            I.extend(shape)
+            if labels:
+                lI.extend([f"shape of input {nr} of {infos[d].name}[{d}]"] * len(shape))
+    return tuple(S), T, I, tid, lT, lI
+
+
+def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: list, dyn_ints, present_out: list):
+    infos = plan.infos
+    unflatten = capture.unflatten
+    validate = capture.validate_grad
+    acc = capture.accumulate
+
+    def fn(*args):
+        T = args[:nT]
+        I = list(I_template)
+        for k, j in enumerate(dyn_ints):
+            I[j] = args[nT + k]
+        ipos = [0]
+        pos = 0
+        bufs = {}
+        for s in region.in_slots:
+            v, pos = unflatten(S, pos, T, I, ipos)
+            if v is not None:
+                bufs[s] = v
+        tagger = capture.Tagger()
+        tagger.start()
+        for i in region.nodes:
+            info = infos[i]
+            nig = S[pos]
+            pos += 1
+            saved = []
+            for _ in range(info.n_saved):
+                v, pos = unflatten(S, pos, T, I, ipos)
+                saved.append(v)
+            emeta = []
+            for _ in info.out:
+                dtype, device, n = S[pos], S[pos + 1], S[pos + 2]
+                pos += 3
+                shape = I[ipos[0]: ipos[0] + n]
+                ipos[0] += n
+                emeta.append((shape, dtype, device))
+            grads = [None if s is None else bufs.get(s) for s in info.in_slots]
+            try:
+                outs = info.module.apply_functional(grads, nig, *saved)
+                if len(outs) != len(info.edges):
+                    raise RuntimeError(
+                        f"{info.name}.apply_functional returned {len(outs)} grads for {len(info.edges)} edges"
+                    )
+            except Exception as e:
+                raise _NodeTraceError(i, e) from e
+            for (j, s, d, nr), (shape, dtype, device) in zip(info.out, emeta):
+                g = outs[j]
+                if g is None:
+                    continue
+                g = validate(g, shape, dtype, device, f"for input {nr} of {infos[d].name}")
+                bufs[s] = acc(bufs.get(s), g)
+            tagger.tag(info.name)
+        res = [bufs.get(s) for s in region.out_slots]
+        present_out[:] = [r is not None for r in res]
+        return [r for r in res if r is not None]
+
+    return fn
+
+
+def _compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend):
+    fakes, ivals, shape_env, mode = capture.fakeify(T, I, dd, di)
+    dyn_ints = sorted(di)
+    present: list = []
+    fn = _make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
+    fake_args = list(fakes) + [ivals[j] for j in dyn_ints]
+    gm = capture.trace(fn, fake_args)
+    guard = guard_src = None
+    if dd or di:
+        guard, guard_src = make_guard(shape_env, fakes, ivals)
+    t0 = time.perf_counter()
+    compiled_fn = capture.compile_graph(gm, fake_args, backend)
+    log.debug("vjpgen: compiled %s with %s in %.2fs", region.label, backend, time.perf_counter() - t0)
+    return Compiled(compiled_fn, list(present), gm, len(T), dyn_ints, guard, guard_src)
+
+
+class CallContext:
+    """Per-call state shared with the sinks."""
+
+    __slots__ = ("protected", "graphs", "backend")
+
+    def __init__(self, backend):
+        self.protected = set()
+        self.graphs = None
+        self.backend = backend
+
+
+def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext) -> bool:
+    """Run one compiled region; returns False when it had to be interpreted (trace failure)."""
+    S, T, I, tid, _, _ = _gather(region, plan, nodes, metas, buf)
+    compiled, fk = region.cache.lookup(S, T, I)
+    if compiled is None:
+        _, _, _, _, lT, lI = _gather(region, plan, nodes, metas, buf, labels=True)
+        dd, di, reason = region.cache.plan_miss(S, T, I, lT, lI)
+        STATS.cache_misses += 1
+        if region.cache.n_compiled:
+            STATS.recompiles += 1
+            STATS.recompile_reasons.append(f"{region.label}: {reason}")
+        log.debug(
+            "vjpgen: cache miss in %s (%d nodes): %s; tracing (%s)",
+            region.label, len(region.nodes), reason, "dynamic" if (dd or di) else "static",
+        )
+        try:
+            compiled = _compile_region(region, plan, S, T, I, dd, di, ctx.backend)
+        except _NodeTraceError as e:
+            info = plan.infos[e.node_index]
+            mode = "node" if isinstance(e.exc, NotImplementedError) else "module"
+            reason = f"{type(e.exc).__name__} while tracing: {str(e.exc).splitlines()[0][:200] if str(e.exc) else ''}"
+            info.live = (mode, reason)
+            record_break(info.name, reason)
+            log.debug("vjpgen: graph break at %s: %s", info.name, reason)
+            _partition(plan)
+            for i in region.nodes:
+                _run_live(i, plan, nodes, metas, buf, ctx)
+            return False
+        STATS.compiles += 1
+        for i in region.nodes:
+            STATS.nodes_compiled_by_class[plan.infos[i].name] += 1
+        region.cache.add(S, T, I, fk, compiled)
+    else:
+        STATS.cache_hits += 1
+        compiled.hits += 1
+    if ctx.graphs is not None:
+        ctx.graphs.append((region, compiled))
+    outs = compiled.fn(*compiled.args(T, I))
+    k = 0
+    for s, present, replace in zip(region.out_slots, compiled.present, region.out_replace):
+        if not present:
+            if replace:
+                buf[s] = None
+            continue
+        g = outs[k]
+        k += 1
+        if id(g) in tid:
+            ctx.protected.add(id(g))
+        if replace or buf[s] is None:
+            buf[s] = g
+        else:
+            buf[s] = buf[s] + g
+    return True
+
+
+def _zeros_for(m):
+    return torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+
+
+def _call_pyfunction(node, grads, md):
+    if getattr(node, "_vjpgen_materialize", True):
+        grads = [g if g is not None else _zeros_for(m) for g, m in zip(grads, md)]
+    out = node.apply(*grads)
+    if not isinstance(out, tuple):
+        out = (out,)
+    pos = [i for i, b in enumerate(node.needs_input_grad) if b]
+    res = []
+    k = 0
+    for m, _ in node.next_functions:
+        if m is None:
+            res.append(None)
+        else:
+            p_ = pos[k]
+            k += 1
+            res.append(out[p_] if p_ < len(out) else None)
+    return res
+
+
+def _run_live(i, plan: Plan, nodes, metas, buf, ctx: CallContext) -> None:
+    info = plan.infos[i]
+    node = nodes[i]
+    STATS.live_calls += 1
+    grads = [None if s is None else buf[s] for s in info.in_slots]
+    h = plan.hooked.get(i)
+    if h is not None:
+        if h.tensor_pre:
+            for k, d in h.tensor_pre.items():
+                if k < len(grads) and grads[k] is not None:
+                    grads[k] = hooks.run_tensor_pre_hooks(d, grads[k])
+        if h.retain:
+            for k, ref in h.retain.items():
+                if k < len(grads):
+                    hooks.run_retain(ref, grads[k])
+        for k, s in enumerate(info.in_slots):  # captured grads see the hooked values
+            if s is not None:
+                buf[s] = grads[k]
+        if h.pre:
+            grads = hooks.run_node_pre_hooks(h.pre, grads)
+    mode = info.live[0] if info.live is not None else "module"
+    outs = None
+    if mode == "module" and info.module is not None:
+        try:
+            state = info.module.get_state(node, info.sc.__getitem__ if info.sc is not None else None)
+            outs = list(info.module.apply_functional_ivalue(list(grads), state))
+        except Exception as e:  # never a wrong gradient: ask the live node instead
+            log.debug("vjpgen: %s module failed eagerly (%s); calling the live node", info.name, e)
+            info.live = ("node", f"module failed eagerly: {type(e).__name__}")
+            outs = None
+    if outs is None:
+        if info.pyfunc:
+            outs = _call_pyfunction(node, grads, metas[i])
+        else:
+            outs = list(node(*grads))
+    ins = {id(g) for g in grads if g is not None}
+    for (j, s, d, nr) in info.out:
+        g = outs[j]
+        if g is None:
+            continue
+        m = metas[d][nr]
+        g = capture.validate_grad(g, m.shape, m.dtype, m.device, f"for input {nr} of {plan.infos[d].name}")
+        outs[j] = g
+    if h is not None and h.post:
+        outs = hooks.run_node_post_hooks(h.post, outs, grads)
+    for (j, s, d, nr) in info.out:
+        g = outs[j]
+        if g is None:
+            continue
+        if id(g) in ins:
+            ctx.protected.add(id(g))
+        buf[s] = g if buf[s] is None else buf[s] + g
+
+
+def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
+    """Run the plan; returns the slot buffer."""
+    buf = [None] * plan.nslots
+    infos = plan.infos
+    # the root grads are validated against the root edges (engine::execute)
+    for (s, g), (ri, nr) in zip(zip(plan.root_slots, root_grads), _root_edges_of(plan)):
+        m = metas[ri][nr]
+        g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
+        ctx.protected.add(id(g))
+        buf[s] = g if buf[s] is None else buf[s] + g
+    for step in list(plan.steps):
+        if isinstance(step, Region):
+            _run_region(step, plan, nodes, metas, buf, ctx)
+        else:
+            _run_live(step.node, plan, nodes, metas, buf, ctx)
+    return buf
+
+
+def _root_edges_of(plan: Plan):
+    inv = {s: k for k, s in plan.slot_of.items()}
+    return [inv[s] for s in plan.root_slots]
+
+
+# ------------------------------------------------------------------------------------------
+# leaves
+
+
+def _non_overlapping_and_dense(t) -> bool:
+    if t.is_contiguous():
+        return True
+    from torch._prims_common import is_non_overlapping_and_dense
+
+    return is_non_overlapping_and_dense(t)
+
+
+def _obeys_layout_contract(grad, var) -> bool:
+    if var.is_sparse or grad.is_sparse or var.is_nested:
+        return False
+    if _non_overlapping_and_dense(var):
+        gs, gst, vst = grad.shape, grad.stride(), var.stride()
+        for k in range(len(gs)):
+            if gs[k] != 1:
+                if gst[k] != vst[k]:
+                    return False
+            elif gst[k] == 0:
+                return False
+        return True
+    return grad.is_contiguous()
+
+
+def _clone_obey_contract(grad, var):
+    if _non_overlapping_and_dense(var):
+        return torch.empty_strided(var.shape, var.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
+def accumulate_leaf(acc_node, grad, ctx: CallContext, node_hooks=None) -> None:
+    """AccumulateGrad::apply: tensor pre-hooks, accumulate into .grad, post-accumulate hooks."""
+    var = acc_node.variable
+    pre, post = hooks.leaf_hooks(var)
+    for hook in pre:
+        r = hook(grad)
+        if r is not None:
+            grad = r
+            ctx.protected.add(id(grad))
+    if node_hooks is not None and node_hooks.pre:
+        grad = hooks.run_node_pre_hooks(node_hooks.pre, [grad])[0]
+    if grad is not None:
+        vg = var.grad
+        if vg is None:
+            if id(grad) not in ctx.protected and grad._base is None and _obeys_layout_contract(grad, var):
+                var.grad = grad.detach()
+            else:
+                var.grad = _clone_obey_contract(grad, var)
+            ctx.protected.add(id(grad))
+        else:
+            if vg.is_sparse and not grad.is_sparse:
+                var.grad = grad + vg
+            else:
+                vg += grad
+    for hook in post:
+        hook(var)
+    if node_hooks is not None and node_hooks.post:
+        hooks.run_node_post_hooks(node_hooks.post, [], [grad])

@@ -1,0 +1,2 @@
+def explain(loss, *a, **k):
+    raise NotImplementedError

@@ -1,0 +1,81 @@
+"""Counters of the runtime: cache hits and misses, compiles with their reasons, graph breaks.
+
+``stats()`` returns a snapshot (a plain dict, safe to keep); ``reset_stats()`` zeroes it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections import Counter
+
+log = logging.getLogger("vjpgen")
+
+
+def _configure_logging() -> None:
+    level = os.environ.get("VJPGEN_LOG", "").strip().lower()
+    if not level:
+        return
+    lvl = getattr(logging, level.upper(), None)
+    if not isinstance(lvl, int):
+        lvl = logging.DEBUG
+    log.setLevel(lvl)
+    if not log.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[vjpgen %(levelname)s] %(message)s"))
+        log.addHandler(h)
+
+
+_configure_logging()
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.backward_calls = 0  # calls of backward()/grad() through vjpgen
+        self.cache_hits = 0  # region executions served by an already compiled graph
+        self.cache_misses = 0  # region executions that had to trace (and compile)
+        self.compiles = 0  # graphs traced and compiled
+        self.recompiles = 0  # compiles of a region that already had a compiled graph
+        self.recompile_reasons: list[str] = []
+        self.graph_breaks = 0  # live nodes between compiled regions, counted once per graph structure
+        self.live_calls = 0  # calls of live nodes (graph breaks executed)
+        self.graph_breaks_by_class: Counter = Counter()
+        self.graph_break_reasons: Counter = Counter()  # "Class: reason" -> count
+        self.nodes_compiled_by_class: Counter = Counter()  # node classes put into compiled graphs
+        self.eager_fallbacks = 0  # whole backward handed to torch.autograd (create_graph, ...)
+        self.eager_fallback_reasons: Counter = Counter()
+        self.plans = 0  # distinct graph structures seen
+
+    def snapshot(self) -> dict:
+        d = {k: copy.copy(v) for k, v in vars(self).items()}
+        for k, v in d.items():
+            if isinstance(v, Counter):
+                d[k] = dict(v)
+        return d
+
+
+STATS = _Stats()
+
+
+def stats() -> dict:
+    """Snapshot of the runtime counters (see :class:`_Stats` for the meaning of each key)."""
+    return STATS.snapshot()
+
+
+def reset_stats() -> None:
+    STATS.reset()
+
+
+def record_break(cls_name: str, reason: str) -> None:
+    STATS.graph_breaks += 1
+    STATS.graph_breaks_by_class[cls_name] += 1
+    STATS.graph_break_reasons[f"{cls_name}: {reason}"] += 1
+
+
+def record_eager_fallback(reason: str) -> None:
+    STATS.eager_fallbacks += 1
+    STATS.eager_fallback_reasons[reason] += 1
