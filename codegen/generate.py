@@ -175,9 +175,8 @@ def build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
 def _check_override(spec, entry, upstream_saved: set[str] | None) -> None:
     for f in spec.formulas:
         if f.python is None:
-            raise GenerateError(
-                f"{entry.file}:{entry.line}: entry {entry.name!r}: formula for {', '.join(f.var_names)!r}: {f.error}"
-            )
+            key = ", ".join(f.var_names)
+            raise GenerateError(f"{entry.file}:{entry.line_of(key)}: entry {entry.name!r}: formula for {key!r}: {f.error}")
     if upstream_saved is not None:
         extra = {s.name for s in spec.saved if s.schema != "size_t"} - upstream_saved - {"retain_variables"}
         if extra:

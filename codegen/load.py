@@ -51,6 +51,10 @@ class Entry:
     line: int  # 1-based line of the entry in its file
     file: Path
     data: dict
+    key_lines: dict  # key ("self", "other", ...) → 1-based line of its formula
+
+    def line_of(self, key: str) -> int:
+        return self.key_lines.get(key, self.line)
 
 
 _NAME_LINE = re.compile(r"^- name:\s*(.+?)\s*$")
@@ -97,7 +101,10 @@ def read_entries(path: Path) -> list[Entry]:
                 value, (str, int, float, bool)
             ):
                 raise GenerateError(f"{path}:{line}: entry {name!r}: {key!r} must be a formula string")
-        out.append(Entry(name, line, path, item))
+        key_lines = {
+            k.value: v.start_mark.line + 1 for k, v in node.value if isinstance(k, yaml.ScalarNode)
+        } if isinstance(node, yaml.MappingNode) else {}
+        out.append(Entry(name, line, path, item, key_lines))
     return out
 
 

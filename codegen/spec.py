@@ -63,7 +63,7 @@ _TYPES: dict[str, tuple[str, str | None, bool]] = {
     # not exposed by torch: recovered from edge metadata where possible
     "at::ScalarType": ("ScalarType", None, False),
     "at::Layout": ("Layout", None, False),
-    "at::TensorOptions": ("TensorOptions", None, False),
+    "at::TensorOptions": ("TensorOptions", "options", False),
     "torch::autograd::generated::TypeAndSize": ("TypeAndSize", None, False),
     "at::TensorGeometry": ("TensorGeometry", None, False),
     "::std::vector<at::ScalarType>": ("ScalarType[]", "list", False),
@@ -227,7 +227,11 @@ class SpecBuilder:
         if not m:
             return unrecoverable(f"{cpp} `{expr}` is not exposed by torch")
         if m.group(7):
-            return unrecoverable("TensorGeometry (strides) of an input is not exposed by torch")
+            arg = m.group(7)
+            if arg not in input_idx:
+                return unrecoverable(f"`{expr}` of a non-differentiable input")
+            return (f"_state.geometry_of(node, ranges[{input_idx[arg]}])",
+                    f"from the leaf tensor behind the `{arg}` edge (AccumulateGrad); raises for a non-leaf")
         if m.group(5):
             fn, arg = m.group(5), m.group(6)
             if arg not in input_idx:

@@ -111,6 +111,8 @@ _RENAMED_METHODS = {
     "sym_numel": "numel",
     "sym_storage_offset": "storage_offset",
 }
+# C++ methods whose Python Tensor method of the same name means something else.
+_ATEN_METHODS = {"index": "torch.ops.aten.index.Tensor"}
 _SCALAR_CASTS = {"toDouble": "float", "toFloat": "float", "toComplexDouble": "complex", "to_int": "int"}
 
 
@@ -201,6 +203,8 @@ class _Lowerer:
             return "float"
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "conjugate":
             return "scalar"
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "of":
+            return "options"
         if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute):
             if e.func.attr in ("size", "dim", "numel", "stride", "storage_offset"):
                 return "int"
@@ -347,6 +351,8 @@ class _Lowerer:
         if m in self.helpers_set and m in ("suggest_memory_format",):
             self.used_helpers.add(m)
             return self.call(self.name(m), [obj, *a])
+        if m in _ATEN_METHODS:
+            return self.call(self.expr(_ATEN_METHODS[m]), [obj, *a])
         pm = _RENAMED_METHODS.get(m, _drop_symint(m))
         import torch
 
@@ -365,6 +371,11 @@ class _Lowerer:
         return self.call(self.attr(obj, pm), pos, kws)
 
     def split_keywords(self, name: str, is_method: bool, a: list[ast.expr]):
+        """Positional args and keywords for a torch call: a trailing TensorOptions becomes
+        ``**options.kwargs()``; arguments past Python's positional ones become keywords."""
+        if a and self.typ(a[-1]) == "options":
+            pos, kws = self.split_keywords(name, is_method, a[:-1])
+            return pos, [*kws, ast.keyword(arg=None, value=self.call(self.attr(a[-1], "kwargs"), []))]
         if self.scope.kwarg_names is None:
             return a, []
         names = self.scope.kwarg_names(name, is_method, len(a))

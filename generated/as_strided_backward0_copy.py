@@ -7,7 +7,7 @@ Formulas (C++, as in derivatives.yaml):
     self: as_strided_backward(grad, self_geometry, size, stride, storage_offset)
 
 Saved values torch does not expose to Python:
-    self_geometry (TensorGeometry): TensorGeometry (strides) of an input is not exposed by torch
+    self_geometry (TensorGeometry): from the leaf tensor behind the `self` edge (AccumulateGrad); raises for a non-leaf
 """
 
 import torch
@@ -57,11 +57,7 @@ def get_state(node, should_compute=None):
     ranges = _state.input_ranges(node, _INPUT_IS_LIST)
     return [
         _state.needs_input_grad(node, ranges, should_compute),
-        _state.unrecoverable(
-            "AsStridedBackward0_copy",
-            "self_geometry",
-            "TensorGeometry (strides) of an input is not exposed by torch",
-        ),
+        _state.geometry_of(node, ranges[0]),
         _state.signed(node._saved_size),
         _state.signed(node._saved_storage_offset),
         _state.signed(node._saved_stride),

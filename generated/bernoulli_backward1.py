@@ -14,7 +14,6 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import zeros_like
 
 NAME = "BernoulliBackward1"
 INPUTS = ("self", "p")
@@ -38,7 +37,7 @@ def apply_functional(grads, needs_input_grad, p_info):
     if needs_input_grad[1]:  # p
         grad_inputs[1] = p_info.zeros() if any_grad_defined else None
     if needs_input_grad[0]:  # self
-        grad_inputs[0] = zeros_like(grad) if any_grad_defined else None
+        grad_inputs[0] = torch.zeros_like(grad) if any_grad_defined else None
     return grad_inputs
 
 

@@ -10,7 +10,6 @@ Formulas (C++, as in derivatives.yaml):
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import scalar_tensor
 from vjpgen.runtime.types import TensorOptions
 
 NAME = "ClampMaxBackward0"
@@ -34,7 +33,9 @@ def apply_functional(grads, needs_input_grad, max, self):
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
         grad_inputs[0] = (
-            torch.where(self <= max, grad, scalar_tensor(0.0, TensorOptions.of(grad)))
+            torch.where(
+                self <= max, grad, torch.scalar_tensor(0.0, **TensorOptions.of(grad).kwargs())
+            )
             if any_grad_defined
             else None
         )

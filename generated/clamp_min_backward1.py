@@ -11,7 +11,6 @@ Formulas (C++, as in derivatives.yaml):
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import scalar_tensor
 from vjpgen.runtime.types import TensorOptions
 
 NAME = "ClampMinBackward1"
@@ -35,13 +34,17 @@ def apply_functional(grads, needs_input_grad, min, self):
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[1]:  # min
         grad_inputs[1] = (
-            torch.where(self < min, grad, scalar_tensor(0.0, TensorOptions.of(grad)))
+            torch.where(
+                self < min, grad, torch.scalar_tensor(0.0, **TensorOptions.of(grad).kwargs())
+            )
             if any_grad_defined
             else None
         )
     if needs_input_grad[0]:  # self
         grad_inputs[0] = (
-            torch.where(self >= min, grad, scalar_tensor(0.0, TensorOptions.of(grad)))
+            torch.where(
+                self >= min, grad, torch.scalar_tensor(0.0, **TensorOptions.of(grad).kwargs())
+            )
             if any_grad_defined
             else None
         )

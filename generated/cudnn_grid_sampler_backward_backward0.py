@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2759
 Formulas (C++, as in derivatives.yaml):
     grad_output, self, grid: grid_sampler_2d_double_backward(grads[0], grads[1], grad_output, self, grid, 0, 0, true, grad_input_mask)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    grad_output, self, grid: no helper or aten function named 'grid_sampler_2d_double_backward' (at character 31)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import grid_sampler_2d_double_backward
 
 NAME = "CudnnGridSamplerBackwardBackward0"
 INPUTS = ("self", "grid", "grad_output")
 SAVED = ("grad_output", "grid", "self")
 SCHEMA = ("Tensor", "Tensor", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False, False)
 
 
@@ -32,9 +30,20 @@ def apply_functional(grads, needs_input_grad, grad_output, grid, self):
     """
     grad_inputs = [None] * 3
     if needs_input_grad[2] or needs_input_grad[0] or needs_input_grad[1]:  # grad_output, self, grid
-        raise NotImplementedError(
-            "vjpgen: CudnnGridSamplerBackwardBackward0: the formula for grad_output, self, grid was not translated to Python (no helper or aten function named 'grid_sampler_2d_double_backward' (at character 31)); formula: grid_sampler_2d_double_backward(grads[0], grads[1], grad_output, self, grid, 0, 0, true, grad_input_mask)"
+        grad_input_mask = (
+            needs_input_grad[2],
+            needs_input_grad[0],
+            needs_input_grad[1],
         )
+        grad_result = grid_sampler_2d_double_backward(
+            grads[0], grads[1], grad_output, self, grid, 0, 0, True, grad_input_mask
+        )
+        if needs_input_grad[2]:
+            grad_inputs[2] = grad_result[0]
+        if needs_input_grad[0]:
+            grad_inputs[0] = grad_result[1]
+        if needs_input_grad[1]:
+            grad_inputs[1] = grad_result[2]
     return grad_inputs
 
 

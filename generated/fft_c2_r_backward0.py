@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2956
 Formulas (C++, as in derivatives.yaml):
     self: fft_c2r_backward(grad, dim, normalization)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: no helper or aten function named 'fft_c2r_backward' (at character 16)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import fft_c2r_backward
 
 NAME = "FftC2RBackward0"
 INPUTS = ("self",)
 SAVED = ("dim", "normalization")
 SCHEMA = ("int[]", "int")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -34,9 +32,7 @@ def apply_functional(grads, needs_input_grad, dim, normalization):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: FftC2RBackward0: the formula for self was not translated to Python (no helper or aten function named 'fft_c2r_backward' (at character 16)); formula: fft_c2r_backward(grad, dim, normalization)"
-        )
+        grad_inputs[0] = fft_c2r_backward(grad, dim, normalization) if any_grad_defined else None
     return grad_inputs
 
 

@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2952
 Formulas (C++, as in derivatives.yaml):
     self: fft_r2c_backward(grad, dim, normalization, onesided, self.sym_size(dim.back()))
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: no helper or aten function named 'fft_r2c_backward' (at character 16)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import fft_r2c_backward
 
 NAME = "FftR2CBackward0"
 INPUTS = ("self",)
 SAVED = ("dim", "normalization", "onesided", "self")
 SCHEMA = ("int[]", "int", "bool", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -34,8 +32,10 @@ def apply_functional(grads, needs_input_grad, dim, normalization, onesided, self
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: FftR2CBackward0: the formula for self was not translated to Python (no helper or aten function named 'fft_r2c_backward' (at character 16)); formula: fft_r2c_backward(grad, dim, normalization, onesided, self.sym_size(dim.back()))"
+        grad_inputs[0] = (
+            fft_r2c_backward(grad, dim, normalization, onesided, self.size(dim[-1]))
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 

@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:616
 Formulas (C++, as in derivatives.yaml):
     self: _fused_dropout_backward(grad, result1, p)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: no helper or aten function named '_fused_dropout_backward' (at character 23)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import _fused_dropout_backward
 
 NAME = "FusedDropoutBackward0"
 INPUTS = ("self",)
 SAVED = ("p", "result1")
 SCHEMA = ("float", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -34,9 +32,7 @@ def apply_functional(grads, needs_input_grad, p, result1):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: FusedDropoutBackward0: the formula for self was not translated to Python (no helper or aten function named '_fused_dropout_backward' (at character 23)); formula: _fused_dropout_backward(grad, result1, p)"
-        )
+        grad_inputs[0] = _fused_dropout_backward(grad, result1, p) if any_grad_defined else None
     return grad_inputs
 
 

@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:778
 Formulas (C++, as in derivatives.yaml):
     grad_output, input, grid: grid_sampler_3d_double_backward(grads[0], grads[1], grad_output, input, grid, interpolation_mode, padding_mode, align_corners, grad_input_mask)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    grad_output, input, grid: no helper or aten function named 'grid_sampler_3d_double_backward' (at character 31)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import grid_sampler_3d_double_backward
 
 NAME = "GridSampler3DBackwardBackward0"
 INPUTS = ("grad_output", "input", "grid")
 SAVED = ("align_corners", "grad_output", "grid", "input", "interpolation_mode", "padding_mode")
 SCHEMA = ("bool", "Tensor", "Tensor", "Tensor", "int", "int")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False, False)
 
 
@@ -43,9 +41,28 @@ def apply_functional(
     if (
         needs_input_grad[0] or needs_input_grad[1] or needs_input_grad[2]
     ):  # grad_output, input, grid
-        raise NotImplementedError(
-            "vjpgen: GridSampler3DBackwardBackward0: the formula for grad_output, input, grid was not translated to Python (no helper or aten function named 'grid_sampler_3d_double_backward' (at character 31)); formula: grid_sampler_3d_double_backward(grads[0], grads[1], grad_output, input, grid, interpolation_mode, padding_mode, align_corners, grad_input_mask)"
+        grad_input_mask = (
+            needs_input_grad[0],
+            needs_input_grad[1],
+            needs_input_grad[2],
         )
+        grad_result = grid_sampler_3d_double_backward(
+            grads[0],
+            grads[1],
+            grad_output,
+            input,
+            grid,
+            interpolation_mode,
+            padding_mode,
+            align_corners,
+            grad_input_mask,
+        )
+        if needs_input_grad[0]:
+            grad_inputs[0] = grad_result[0]
+        if needs_input_grad[1]:
+            grad_inputs[1] = grad_result[1]
+        if needs_input_grad[2]:
+            grad_inputs[2] = grad_result[2]
     return grad_inputs
 
 

@@ -14,7 +14,6 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import zeros
 
 NAME = "HardswishBackwardBackward0"
 INPUTS = ("grad_output", "self")
@@ -42,7 +41,7 @@ def apply_functional(grads, needs_input_grad, grad_output, self, self_options):
             torch.where(
                 torch.logical_and(-3.0 < self, self < 3.0),
                 grad * grad_output / 3.0,
-                zeros([], self_options),
+                torch.zeros([], **self_options.kwargs()),
             )
             if any_grad_defined
             else None

@@ -36,7 +36,7 @@ def apply_functional(grads, needs_input_grad, indices, self_options, self_sym_si
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
         grad_inputs[0] = (
-            index_backward(grad.new_zeros(self_sym_sizes, dtype=self_options), indices, grad)
+            index_backward(grad.new_zeros(self_sym_sizes, **self_options.kwargs()), indices, grad)
             if any_grad_defined
             else None
         )

@@ -41,7 +41,7 @@ def apply_functional(grads, needs_input_grad, accumulate, indices, values_info):
             else None
         )
     if needs_input_grad[1]:  # values
-        grad_inputs[1] = grad.index(indices) if any_grad_defined else None
+        grad_inputs[1] = torch.ops.aten.index.Tensor(grad, indices) if any_grad_defined else None
     return grad_inputs
 
 

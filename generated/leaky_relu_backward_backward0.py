@@ -11,7 +11,6 @@ Formulas (C++, as in derivatives.yaml):
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import zeros_like
 
 NAME = "LeakyReluBackwardBackward0"
 INPUTS = ("grad_output", "self")
@@ -39,7 +38,7 @@ def apply_functional(grads, needs_input_grad, negative_slope, self):
             else None
         )
     if needs_input_grad[1]:  # self
-        grad_inputs[1] = zeros_like(grad) if any_grad_defined else None
+        grad_inputs[1] = torch.zeros_like(grad) if any_grad_defined else None
     return grad_inputs
 
 

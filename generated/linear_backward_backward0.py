@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2378
 Formulas (C++, as in derivatives.yaml):
     self, grad_output, weight: linear_double_backward(grads, self, grad_output, weight)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self, grad_output, weight: no helper or aten function named 'linear_double_backward' (at character 22)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import linear_double_backward
 
 NAME = "LinearBackwardBackward0"
 INPUTS = ("self", "grad_output", "weight")
 SAVED = ("grad_output", "self", "weight")
 SCHEMA = ("Tensor", "Tensor", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False, False)
 
 
@@ -34,9 +32,13 @@ def apply_functional(grads, needs_input_grad, grad_output, self, weight):
     if (
         needs_input_grad[0] or needs_input_grad[1] or needs_input_grad[2]
     ):  # self, grad_output, weight
-        raise NotImplementedError(
-            "vjpgen: LinearBackwardBackward0: the formula for self, grad_output, weight was not translated to Python (no helper or aten function named 'linear_double_backward' (at character 22)); formula: linear_double_backward(grads, self, grad_output, weight)"
-        )
+        grad_result = linear_double_backward(grads, self, grad_output, weight)
+        if needs_input_grad[0]:
+            grad_inputs[0] = grad_result[0]
+        if needs_input_grad[1]:
+            grad_inputs[1] = grad_result[1]
+        if needs_input_grad[2]:
+            grad_inputs[2] = grad_result[2]
     return grad_inputs
 
 

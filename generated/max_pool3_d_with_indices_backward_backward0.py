@@ -7,9 +7,6 @@ Formulas (C++, as in derivatives.yaml):
     grad_output: max_pool_double_backward(grad, indices, 3)
     self: self_info.zeros()
 
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    grad_output: no helper or aten function named 'max_pool_double_backward' (at character 24)
-
 Saved values torch does not expose to Python:
     self_info (TypeAndSize): from the input metadata of the `self` edge (None when `self` needs no grad)
 """
@@ -17,12 +14,13 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import max_pool_double_backward
 
 NAME = "MaxPool3DWithIndicesBackwardBackward0"
 INPUTS = ("grad_output", "self")
 SAVED = ("indices", "self_info")
 SCHEMA = ("Tensor", "TypeAndSize")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False)
 
 
@@ -38,9 +36,7 @@ def apply_functional(grads, needs_input_grad, indices, self_info):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # grad_output
-        raise NotImplementedError(
-            "vjpgen: MaxPool3DWithIndicesBackwardBackward0: the formula for grad_output was not translated to Python (no helper or aten function named 'max_pool_double_backward' (at character 24)); formula: max_pool_double_backward(grad, indices, 3)"
-        )
+        grad_inputs[0] = max_pool_double_backward(grad, indices, 3) if any_grad_defined else None
     if needs_input_grad[1]:  # self
         grad_inputs[1] = self_info.zeros() if any_grad_defined else None
     return grad_inputs

@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2401
 Formulas (C++, as in derivatives.yaml):
     self: max_pool_double_backward(grad, indices, 2)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: no helper or aten function named 'max_pool_double_backward' (at character 24)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import max_pool_double_backward
 
 NAME = "MaxUnpool2DBackward0"
 INPUTS = ("self",)
 SAVED = ("indices",)
 SCHEMA = ("Tensor",)
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -34,9 +32,7 @@ def apply_functional(grads, needs_input_grad, indices):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: MaxUnpool2DBackward0: the formula for self was not translated to Python (no helper or aten function named 'max_pool_double_backward' (at character 24)); formula: max_pool_double_backward(grad, indices, 2)"
-        )
+        grad_inputs[0] = max_pool_double_backward(grad, indices, 2) if any_grad_defined else None
     return grad_inputs
 
 

@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:619
 Formulas (C++, as in derivatives.yaml):
     input: GradMode::is_enabled() ? infinitely_differentiable_native_dropout_backward(grad, result1, (!train.has_value() || !train.value() ? 1 : (p == 1 ? 0.0 : 1.0 / (1.0 - p)))) : native_dropout_backward(grad, result1, (!train.has_value() || !train.value() ? 1 : (p == 1 ? 0.0 : 1.0 / (1.0 - p))))
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    input: no helper or aten function named 'infinitely_differentiable_native_dropout_backward' (at character 74)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import infinitely_differentiable_native_dropout_backward
 
 NAME = "NativeDropoutBackward0"
 INPUTS = ("input",)
 SAVED = ("p", "train", "result1")
 SCHEMA = ("float", "bool?", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -34,8 +32,22 @@ def apply_functional(grads, needs_input_grad, p, train, result1):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # input
-        raise NotImplementedError(
-            "vjpgen: NativeDropoutBackward0: the formula for input was not translated to Python (no helper or aten function named 'infinitely_differentiable_native_dropout_backward' (at character 74)); formula: GradMode::is_enabled() ? infinitely_differentiable_native_dropout_backward(grad, result1, (!train.has_value() || !train.value() ? 1 : (p == 1 ? 0.0 : 1.0 / (1.0 - p)))) : native_dropout_backward(grad, result1, (!train.has_value() || !train.value() ? 1 : (p == 1 ? 0.0 : 1.0 / (1.0 - p))))"
+        grad_inputs[0] = (
+            (
+                infinitely_differentiable_native_dropout_backward(
+                    grad,
+                    result1,
+                    1 if not train is not None or not train else 0.0 if p == 1 else 1.0 / (1.0 - p),
+                )
+                if torch.is_grad_enabled()
+                else torch.ops.aten.native_dropout_backward(
+                    grad,
+                    result1,
+                    1 if not train is not None or not train else 0.0 if p == 1 else 1.0 / (1.0 - p),
+                )
+            )
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 

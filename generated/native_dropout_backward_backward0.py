@@ -6,21 +6,18 @@ Source: torchgen/packaged/autograd/derivatives.yaml:623
 Formulas (C++, as in derivatives.yaml):
     grad_output: native_dropout_double_backward(grad, grad_output, mask, scale)
     mask: not_implemented("native_dropout_backward: mask")
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    grad_output: no helper or aten function named 'native_dropout_double_backward' (at character 30)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import not_implemented
+from vjpgen.runtime.helpers import native_dropout_double_backward, not_implemented
 
 NAME = "NativeDropoutBackwardBackward0"
 INPUTS = ("grad_output", "mask")
 SAVED = ("grad_output", "mask", "scale")
 SCHEMA = ("Tensor", "Tensor", "float")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False)
 
 
@@ -36,8 +33,10 @@ def apply_functional(grads, needs_input_grad, grad_output, mask, scale):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # grad_output
-        raise NotImplementedError(
-            "vjpgen: NativeDropoutBackwardBackward0: the formula for grad_output was not translated to Python (no helper or aten function named 'native_dropout_double_backward' (at character 30)); formula: native_dropout_double_backward(grad, grad_output, mask, scale)"
+        grad_inputs[0] = (
+            native_dropout_double_backward(grad, grad_output, mask, scale)
+            if any_grad_defined
+            else None
         )
     if needs_input_grad[1]:  # mask
         grad_inputs[1] = not_implemented("native_dropout_backward: mask")

@@ -10,7 +10,6 @@ Formulas (C++, as in derivatives.yaml):
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import zeros_symint
 from vjpgen.runtime.types import TensorOptions
 
 NAME = "NormalBackward1"
@@ -34,7 +33,9 @@ def apply_functional(grads, needs_input_grad, mean_sym_sizes):
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # mean
         grad_inputs[0] = (
-            zeros_symint(mean_sym_sizes, TensorOptions.of(grad)) if any_grad_defined else None
+            torch.zeros(mean_sym_sizes, **TensorOptions.of(grad).kwargs())
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 

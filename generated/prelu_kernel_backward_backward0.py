@@ -18,7 +18,6 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import zeros
 
 NAME = "PreluKernelBackwardBackward0"
 INPUTS = ("grad_output", "self", "weight")
@@ -73,7 +72,9 @@ def apply_functional(
                     else torch.where(self >= 0, grads[0], grads[0] * weight)
                 )
                 if grads[0] is not None
-                else torch.where(self >= 0, zeros([], grad_output_options), grads[1] * self)
+                else torch.where(
+                    self >= 0, torch.zeros([], **grad_output_options.kwargs()), grads[1] * self
+                )
             )
             if any_grad_defined
             else None
@@ -81,7 +82,9 @@ def apply_functional(
     if needs_input_grad[1]:  # self
         grad_inputs[1] = (
             (
-                torch.where(self >= 0, zeros([], self_options), grad_output * grads[1])
+                torch.where(
+                    self >= 0, torch.zeros([], **self_options.kwargs()), grad_output * grads[1]
+                )
                 if grads[1] is not None
                 else self_info.zeros()
             )
@@ -91,7 +94,9 @@ def apply_functional(
     if needs_input_grad[2]:  # weight
         grad_inputs[2] = (
             (
-                torch.where(self >= 0, zeros([], weight_options), grad_output * grads[0])
+                torch.where(
+                    self >= 0, torch.zeros([], **weight_options.kwargs()), grad_output * grads[0]
+                )
                 if grads[0] is not None
                 else self_info.zeros()
             )

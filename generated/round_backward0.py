@@ -10,7 +10,6 @@ Formulas (C++, as in derivatives.yaml):
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import zeros_like
 
 NAME = "RoundBackward0"
 INPUTS = ("self",)
@@ -32,7 +31,7 @@ def apply_functional(grads, needs_input_grad):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        grad_inputs[0] = zeros_like(grad) if any_grad_defined else None
+        grad_inputs[0] = torch.zeros_like(grad) if any_grad_defined else None
     return grad_inputs
 
 

@@ -36,7 +36,7 @@ def apply_functional(grads, needs_input_grad, indices, self_options, self_sym_si
     if needs_input_grad[0]:  # self
         grad_inputs[0] = (
             torch._unsafe_index_put(
-                grad.new_zeros(self_sym_sizes, dtype=self_options), indices, grad, True
+                grad.new_zeros(self_sym_sizes, **self_options.kwargs()), indices, grad, True
             )
             if any_grad_defined
             else None

@@ -36,7 +36,7 @@ def apply_functional(grads, needs_input_grad, indices, mask, self_options, self_
     if needs_input_grad[0]:  # self
         grad_inputs[0] = (
             torch._unsafe_masked_index_put_accumulate(
-                grad.new_zeros(self_sym_sizes, dtype=self_options), mask, indices, grad
+                grad.new_zeros(self_sym_sizes, **self_options.kwargs()), mask, indices, grad
             )
             if any_grad_defined
             else None

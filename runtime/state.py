@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .types import TensorOptions, TypeAndSize
+from .types import TensorGeometry, TensorOptions, TypeAndSize
 
 
 def input_ranges(node, is_list: Sequence[bool]) -> list[range]:
@@ -78,6 +78,21 @@ def type_and_size_of(meta) -> TypeAndSize | None:
         return None
     _check_dense(meta)
     return TypeAndSize(tuple(meta.shape), TensorOptions(meta.dtype, meta.device, torch.strided))
+
+
+def geometry_of(node, r: range) -> TensorGeometry | None:
+    """Sizes/strides/offset of an input, read from the leaf behind its edge (None if the edge is
+    invalid); torch exposes no strides for non-leaf inputs, so those raise NotImplementedError."""
+    fn, _ = node.next_functions[r.start]
+    if fn is None:
+        return None
+    var = getattr(fn, "variable", None)
+    if var is None:
+        raise NotImplementedError(
+            f"vjpgen: {type(node).__name__}: the strides of a non-leaf input are not exposed by torch; "
+            "call the live node instead"
+        )
+    return TensorGeometry.of(var)
 
 
 def list_dtypes(node, r: range) -> list:

@@ -1,7 +1,7 @@
 """Formula-level special functions and ATen C++ API forms with no direct Python spelling.
 
-``not_implemented`` & co. mirror FunctionsManual; the factory shims accept the C++ calling
-convention (a ``TensorOptions`` as one positional argument).
+``not_implemented`` & co. mirror FunctionsManual. (A ``TensorOptions`` passed to a torch
+factory is splatted as ``**options.kwargs()`` by the translator, so factories need no shim.)
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import warnings
 
 import torch
 
-from ..types import TensorOptions
 from .registry import register
 
 
@@ -36,53 +35,6 @@ def warn_backwards(grad_output: torch.Tensor) -> torch.Tensor:
     """Warn and return ``grad_output`` (the ``_test_warn_in_autograd`` op). Mirrors FunctionsManual ``warn_backwards``."""
     warnings.warn("Warning in backward()")
     return grad_output.clone()
-
-
-def _kw(options) -> dict:
-    if options is None:
-        return {}
-    if isinstance(options, TensorOptions):
-        return options.kwargs()
-    if isinstance(options, torch.dtype):
-        return {"dtype": options}
-    raise TypeError(f"expected TensorOptions or dtype, got {type(options).__name__}")
-
-
-@register
-def zeros(size, options=None) -> torch.Tensor:
-    """``at::zeros(size, options)``: a zero tensor of ``size`` with the given TensorOptions."""
-    return torch.zeros(size, **_kw(options))
-
-
-register("zeros_symint")(zeros)
-
-
-@register
-def scalar_tensor(value, options=None) -> torch.Tensor:
-    """``at::scalar_tensor(value, options)``: a 0-dim tensor holding ``value``."""
-    return torch.scalar_tensor(value, **_kw(options))
-
-
-@register
-def zeros_like(self: torch.Tensor, options=None, memory_format=None) -> torch.Tensor:
-    """``at::zeros_like(self[, options][, memory_format])``."""
-    kw = _kw(options)
-    if isinstance(options, TensorOptions):
-        kw.pop("layout", None)
-    if memory_format is not None:
-        kw["memory_format"] = memory_format
-    return torch.zeros_like(self, **kw)
-
-
-@register
-def ones_like(self: torch.Tensor, options=None, memory_format=None) -> torch.Tensor:
-    """``at::ones_like(self[, options][, memory_format])``."""
-    kw = _kw(options)
-    if isinstance(options, TensorOptions):
-        kw.pop("layout", None)
-    if memory_format is not None:
-        kw["memory_format"] = memory_format
-    return torch.ones_like(self, **kw)
 
 
 @register

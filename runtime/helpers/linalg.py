@@ -186,14 +186,17 @@ def linalg_det_backward(grad, det, A, LU, pivots):
     """VJP of ``det(A)``: the G solving ``A^H G = conj(det) * grad * I``.
 
     ``A``: (*, n, n); ``det``, ``grad``: (*); ``LU``/``pivots``: the LU factorisation
-    saved by ``_linalg_det``. Returns None if ``grad`` is None or ``A`` is empty.
+    saved by ``_linalg_det``. Returns None if ``grad`` is None; an empty grad if ``A`` is empty
+    (as the live node does).
     With grad mode off: an lu_solve on ``LU`` whose exact-zero pivots are replaced by eps.
     With grad mode on (double backward): ``solve(A^H, ...)`` for well-conditioned batch
     elements and an SVD-based adjugate for those with ``|det| < 100 eps``; that split
     branches on tensor data, as in C++. Mirrors FunctionsManual `linalg_det_backward`.
     """
-    if grad is None or A.numel() == 0:
+    if grad is None:
         return None
+    if A.numel() == 0:
+        return torch.zeros_like(A)
     d = _diag_rhs(grad * det.conj(), pivots)
     eps = _eps(LU)
     if not torch.is_grad_enabled():

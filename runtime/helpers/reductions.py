@@ -40,7 +40,7 @@ def _dims_bitset(dims: Sequence[int] | None, ndim: int) -> list[bool]:
     """``at::dim_list_to_bitset``: which of ``ndim`` dims are listed (``None`` = all of them)."""
     if dims is None:
         return [True] * ndim
-    seen = [False] * ndim
+    seen = [False] * max(ndim, 1)  # a 0-d shape still accepts dim 0 / -1
     for d in dims:
         w = _wrap_dim(d, ndim)
         if seen[w]:

@@ -1,0 +1,72 @@
+"""Bad generator input: one-line error naming file:line and the entry, exit status 2, output untouched."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from vjpgen.__main__ import main
+
+CASES = {
+    "malformed_yaml": (
+        "- name: mul.Tensor(Tensor self, Tensor other) -> Tensor\n  self: [grad\n",
+        r"^vjpgen: error: .*overlay\.yaml:3: malformed YAML: expected ',' or ']'",
+    ),
+    "unknown_native_function": (
+        "- name: not_an_op(Tensor self) -> Tensor\n  self: grad\n",
+        r"^vjpgen: error: .*overlay\.yaml:1: entry 'not_an_op\(Tensor self\) -> Tensor': "
+        r"no native function named 'not_an_op'",
+    ),
+    "wrong_signature": (
+        "- name: mul.Tensor(Tensor self) -> Tensor\n  self: grad\n",
+        r"^vjpgen: error: .*overlay\.yaml:1: entry 'mul\.Tensor\(Tensor self\) -> Tensor': the signature does not match",
+    ),
+    "unknown_argument": (
+        "- name: mul.Tensor(Tensor self, Tensor other) -> Tensor\n  self: grad * bogus_arg\n  other: grad * self\n",
+        r"^vjpgen: error: .*overlay\.yaml:2: entry 'mul\.Tensor\(Tensor self, Tensor other\) -> Tensor': "
+        r"formula for 'self': unknown name 'bogus_arg'",
+    ),
+    "duplicate_entry": (
+        "- name: exp(Tensor self) -> Tensor\n  self: grad * result.conj()\n"
+        "- name: exp(Tensor self) -> Tensor\n  self: grad * result.conj()\n",
+        r"^vjpgen: error: .*overlay\.yaml:3: duplicate entry 'exp\(Tensor self\) -> Tensor' \(first at line 1\)",
+    ),
+    "entry_without_name": (
+        "- self: grad\n",
+        r"^vjpgen: error: .*overlay\.yaml:1: entry has no `name: <schema>` string",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_overlay(case, tmp_path, capsys):
+    text, pattern = CASES[case]
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(text)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sentinel.py").write_text("KEEP = 1\n")
+    rc = main(["generate", "--overlay", str(overlay), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert re.search(pattern, err), err
+    assert sorted(p.name for p in out.iterdir()) == ["sentinel.py"]  # untouched
+    assert not list(tmp_path.glob(".out.*"))  # no temp folder left behind
+
+
+def test_unreadable_input(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["generate", "--overlay", str(tmp_path / "missing.yaml"), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert re.search(r"^vjpgen: error: .*missing\.yaml: cannot read input: No such file or directory$", err.strip())
+    assert not out.exists()
+
+
+def test_unreadable_native_functions(tmp_path, capsys):
+    rc = main(["check", "--native-functions", str(tmp_path / "nf.yaml"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "nf.yaml: cannot read input" in err
