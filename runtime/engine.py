@@ -476,13 +476,20 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
     return fn
 
 
-def _compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend):
+def _compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T=None, labels_I=None):
     fakes, ivals, shape_env, mode = capture.fakeify(T, I, dd, di)
     dyn_ints = sorted(di)
     present: list = []
     fn = _make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
     fake_args = list(fakes) + [ivals[j] for j in dyn_ints]
     gm = capture.trace(fn, fake_args)
+    labels = list(labels_T or []) + [labels_I[j] if labels_I else f"int {j}" for j in dyn_ints]
+    k = 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if k < len(labels):
+                n.meta["vjpgen_node"] = labels[k]
+            k += 1
     guard = guard_src = None
     if dd or di:
         guard, guard_src = make_guard(shape_env, fakes, ivals)
@@ -519,7 +526,7 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
             region.label, len(region.nodes), reason, "dynamic" if (dd or di) else "static",
         )
         try:
-            compiled = _compile_region(region, plan, S, T, I, dd, di, ctx.backend)
+            compiled = _compile_region(region, plan, S, T, I, dd, di, ctx.backend, lT, lI)
         except _NodeTraceError as e:
             info = plan.infos[e.node_index]
             mode = "node" if isinstance(e.exc, NotImplementedError) else "module"
@@ -528,6 +535,8 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
             record_break(info.name, reason)
             log.debug("vjpgen: graph break at %s: %s", info.name, reason)
             _partition(plan)
+            if ctx.graphs is not None:
+                ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
             for i in region.nodes:
                 _run_live(i, plan, nodes, metas, buf, ctx)
             return False
@@ -539,7 +548,7 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         STATS.cache_hits += 1
         compiled.hits += 1
     if ctx.graphs is not None:
-        ctx.graphs.append((region, compiled))
+        ctx.graphs.append(("region", region.label, compiled.gm, [plan.infos[i].name for i in region.nodes]))
     outs = compiled.fn(*compiled.args(T, I))
     k = 0
     for s, present, replace in zip(region.out_slots, compiled.present, region.out_replace):
@@ -585,6 +594,8 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: CallContext) -> None:
     info = plan.infos[i]
     node = nodes[i]
     STATS.live_calls += 1
+    if ctx.graphs is not None:
+        ctx.graphs.append(("live", info.name, None, info.live[1] if info.live else "module called eagerly"))
     grads = [None if s is None else buf[s] for s in info.in_slots]
     h = plan.hooked.get(i)
     if h is not None:
@@ -665,9 +676,13 @@ def _root_edges_of(plan: Plan):
 def _non_overlapping_and_dense(t) -> bool:
     if t.is_contiguous():
         return True
-    from torch._prims_common import is_non_overlapping_and_dense
-
-    return is_non_overlapping_and_dense(t)
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
 
 
 def _obeys_layout_contract(grad, var) -> bool:
