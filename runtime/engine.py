@@ -392,7 +392,10 @@ def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False)
     for i in region.nodes:
         info = infos[i]
         node = nodes[i]
-        state = info.module.get_state(node, info.sc.__getitem__ if info.sc is not None else None)
+        try:
+            state = info.module.get_state(node, info.sc.__getitem__ if info.sc is not None else None)
+        except Exception as e:
+            raise _NodeTraceError(i, e) from e
         S.append(tuple(state[0]))
         if labels:
             for k, (v, sym) in enumerate(zip(state[1:], info.sym_flags)):
@@ -510,9 +513,30 @@ class CallContext:
         self.backend = backend
 
 
+def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
+    """A node of ``region`` cannot be traced: it becomes a graph break in the plan (for later calls)
+    and this call runs the region's nodes one by one, eagerly."""
+    info = plan.infos[e.node_index]
+    mode = "node" if (isinstance(e.exc, NotImplementedError) or when == "get_state") else "module"
+    msg = str(e.exc).splitlines()[0][:200] if str(e.exc) else ""
+    reason = f"{type(e.exc).__name__} while {when}: {msg}"
+    info.live = (mode, reason)
+    record_break(info.name, reason)
+    log.debug("vjpgen: graph break at %s: %s", info.name, reason)
+    _partition(plan)
+    if ctx.graphs is not None:
+        ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
+    for i in region.nodes:
+        _run_live(i, plan, nodes, metas, buf, ctx)
+
+
 def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext) -> bool:
     """Run one compiled region; returns False when it had to be interpreted (trace failure)."""
-    S, T, I, tid, _, _ = _gather(region, plan, nodes, metas, buf)
+    try:
+        S, T, I, tid, _, _ = _gather(region, plan, nodes, metas, buf)
+    except _NodeTraceError as e:
+        _break_region(e, region, plan, nodes, metas, buf, ctx, "get_state")
+        return False
     compiled, fk = region.cache.lookup(S, T, I)
     if compiled is None:
         _, _, _, _, lT, lI = _gather(region, plan, nodes, metas, buf, labels=True)
@@ -528,17 +552,7 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         try:
             compiled = _compile_region(region, plan, S, T, I, dd, di, ctx.backend, lT, lI)
         except _NodeTraceError as e:
-            info = plan.infos[e.node_index]
-            mode = "node" if isinstance(e.exc, NotImplementedError) else "module"
-            reason = f"{type(e.exc).__name__} while tracing: {str(e.exc).splitlines()[0][:200] if str(e.exc) else ''}"
-            info.live = (mode, reason)
-            record_break(info.name, reason)
-            log.debug("vjpgen: graph break at %s: %s", info.name, reason)
-            _partition(plan)
-            if ctx.graphs is not None:
-                ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
-            for i in region.nodes:
-                _run_live(i, plan, nodes, metas, buf, ctx)
+            _break_region(e, region, plan, nodes, metas, buf, ctx, "tracing")
             return False
         STATS.compiles += 1
         for i in region.nodes:
@@ -626,7 +640,8 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: CallContext) -> None:
         if info.pyfunc:
             outs = _call_pyfunction(node, grads, metas[i])
         else:
-            outs = list(node(*grads))
+            r = node(*grads)
+            outs = list(r) if isinstance(r, (tuple, list)) else [r]
     ins = {id(g) for g in grads if g is not None}
     for (j, s, d, nr) in info.out:
         g = outs[j]

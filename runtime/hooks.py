@@ -27,9 +27,34 @@ import torch
 _META_KEY = "_vjpgen_tensor_hooks"  # grad_fn.metadata[_META_KEY] = {output_nr: hooks OrderedDict}
 _RETAIN_KEY = "_vjpgen_retain_grad"  # grad_fn.metadata[_RETAIN_KEY] = {output_nr: weakref(tensor)}
 
-_tensor_hook_dicts: "weakref.WeakSet" = weakref.WeakSet()  # hook dicts of non-leaf tensors
-_retained: "weakref.WeakSet" = weakref.WeakSet()  # non-leaf tensors with retain_grad()
-_node_hook_dicts: "weakref.WeakSet" = weakref.WeakSet()  # dicts handed out to node hooks
+
+
+class _IdWeakSet:
+    """A weak set keyed by identity (works for unhashable objects such as dicts)."""
+
+    def __init__(self) -> None:
+        self._d: dict = {}
+
+    def add(self, obj) -> None:
+        k = id(obj)
+        if k in self._d and self._d[k]() is obj:
+            return
+        d = self._d
+        self._d[k] = weakref.ref(obj, lambda _r, k=k, d=d: d.pop(k, None))
+
+    def __bool__(self) -> bool:
+        return bool(self._d)
+
+    def __iter__(self):
+        for r in list(self._d.values()):
+            o = r()
+            if o is not None:
+                yield o
+
+
+_tensor_hook_dicts = _IdWeakSet()  # hook dicts of non-leaf tensors
+_retained = _IdWeakSet()  # non-leaf tensors with retain_grad()
+_node_hook_dicts = _IdWeakSet()  # dicts handed out to node hooks
 
 _installed = False
 
@@ -106,7 +131,7 @@ def any_tensor_hooks() -> bool:
 
 
 def any_node_hooks() -> bool:
-    for d in list(_node_hook_dicts):
+    for d in _node_hook_dicts:
         if d:
             return True
     return False

@@ -85,11 +85,14 @@ def _exp(grads, nig, result):
     return [g * result.conj() if (nig[0] and g is not None) else None]
 
 
-def _nonzero_sum(grads, nig, self_):
-    # data-dependent on purpose: cannot be traced with make_fx
+def _data_dependent_mean(grads, nig, sizes):
+    # data-dependent on purpose (.item()): make_fx cannot trace it, eager can run it
     g = grads[0]
-    n = int(self_.count_nonzero())
-    return [g.expand(self_.shape) * (n / n)]
+    numel = 1
+    for s in sizes:
+        numel *= s
+    scale = float((g != 0).sum().item() or 1) / float((g != 0).sum().item() or 1)
+    return [g.expand(sizes) / numel * scale]
 
 
 _module("MulBackward0", ("self", "other"), ("other", "self"), ("Tensor", "Tensor"), _mul)
@@ -100,7 +103,7 @@ _module("TBackward0", ("self",), (), (), _t)
 _module("ReluBackward0", ("self",), ("result",), ("Tensor",), _relu)
 _module("ExpBackward0", ("self",), ("result",), ("Tensor",), _exp)
 _module("SinBackward0", ("self",), ("self",), ("Tensor",), lambda g, n, s: [g[0] * s.cos()], translated=False)
-_module("MeanBackward0", ("self",), ("self",), ("Tensor",), _nonzero_sum)
+_module("MeanBackward0", ("self",), ("self_sym_sizes",), ("SymInt[]",), _data_dependent_mean)
 
 
 def get_module(name):
