@@ -46,6 +46,10 @@ def _get_module(name: str):
 
 
 _BackwardCFunction = torch.autograd.function.BackwardCFunction
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_dtype = torch.dtype
+_TMARK = capture._T
 
 
 # ------------------------------------------------------------------------------------------
@@ -406,7 +410,19 @@ def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False)
                 lI.extend([nm] * (len(I) - nI))
         else:
             for v, sym in zip(state[1:], info.sym_flags):
-                flatten(v, sym, T, tid, I, S)
+                tp = type(v)
+                if tp is _Tensor or tp is _Parameter:  # fast path: most saved values are tensors
+                    k = id(v)
+                    p_ = tid.get(k)
+                    if p_ is None:
+                        p_ = tid[k] = len(T)
+                        T.append(v)
+                    S.append(_TMARK)
+                    S.append(p_)
+                elif v is None or tp is bool or tp is float or tp is _dtype or (tp is int and not sym):
+                    S.append(v)
+                else:
+                    flatten(v, sym, T, tid, I, S)
         if len(state) - 1 != info.n_saved:
             raise RuntimeError(f"vjpgen: {info.name}.get_state returned {len(state) - 1} saved values, SCHEMA has {info.n_saved}")
         for (_, _, d, nr) in info.out:
