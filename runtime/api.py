@@ -117,6 +117,7 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
             if isinstance(st, engine.LiveStep):
                 info = plan.infos[st.node]
                 engine.record_break(info.name, info.live[1])
+                log.debug("vjpgen: graph break: %s called live (%s)", info.name, info.live[1])
         log.debug(
             "vjpgen: new graph structure: %d nodes, %d steps, %d graph breaks",
             len(nodes), len(plan.steps), plan.n_breaks,
