@@ -23,6 +23,8 @@ __all__ = [
     "infinitely_differentiable_native_dropout_backward",
     "native_dropout_double_backward",
     "_fused_dropout_backward",
+    "grid_sampler_2d_double_backward",
+    "grid_sampler_3d_double_backward",
 ]
 
 
@@ -186,3 +188,170 @@ def _fused_dropout_backward(grad, mask, p1m):
     if grad.requires_grad or not grad.is_cuda:
         return grad * (mask.type_as(grad) * (1.0 / p1m))
     return torch.ops.aten._masked_scale(grad, mask, 1.0 / p1m)
+
+
+# ---------------------------------------------------------------------------
+# grid sampling
+# ---------------------------------------------------------------------------
+
+_BILINEAR, _NEAREST, _BICUBIC = 0, 1, 2
+
+
+def _unnormalize(coords, size, align_corners):
+    """Map [-1, 1] to [0, size - 1] (``align_corners``) or [-0.5, size - 0.5]."""
+    mul = (size * 0.5 - 0.5) if align_corners else (size * 0.5)
+    return coords * mul + (size * 0.5 - 0.5)
+
+
+def _reflect(coords, twice_low, twice_high):
+    """Reflect ``coords`` into [twice_low / 2, twice_high / 2]."""
+    if twice_low == twice_high:
+        return torch.zeros_like(coords)
+    lo = twice_low / 2
+    span = (twice_high - twice_low) / 2
+    c = coords - lo
+    # |c| with slope +1 at 0 (as the native kernel); also, torch.func's second-order abs
+    # leaks tensor constants into symbolically traced graphs
+    c = torch.where(c < 0, -c, c)
+    extra = torch.fmod(c, span)
+    flips = (c / span).floor().to(torch.int64)
+    return torch.where(flips % 2 == 0, extra + lo, span + lo - extra)
+
+
+def _source_index(coords, size, padding_mode, align_corners):
+    """Grid coordinate -> (padded) source pixel coordinate along one axis."""
+    c = _unnormalize(coords, size, align_corners)
+    if padding_mode == 0:  # zeros
+        return c
+    if padding_mode == 1:  # border
+        return torch.clamp(c, 0, size - 1)
+    c = _reflect(c, 0, 2 * (size - 1)) if align_corners else _reflect(c, -1, 2 * size - 1)
+    return torch.clamp(c, 0, size - 1)
+
+
+def _linear_grid_sample(input, grid, padding_mode, align_corners):
+    """Differentiable (multi)linear ``grid_sample`` for 2-D or 3-D spatial inputs.
+
+    ``input``: (N, C, *S); ``grid``: (N, *O, d) with ``grid[..., j]`` indexing spatial
+    axis ``-(j + 1)``. Out-of-range corners contribute zero.
+    """
+    N, C = input.shape[:2]
+    S = list(input.shape[2:])
+    d = len(S)
+    out_shape = list(grid.shape[1:-1])
+    g = grid.reshape(N, -1, d)
+    flat = input.reshape(N, C, -1)
+    strides = [1] * d  # stride of spatial axis -(j + 1) in the flattened input
+    for j in range(1, d):
+        strides[j] = strides[j - 1] * S[-j]
+    idx, frac = [], []
+    for j in range(d):
+        i = _source_index(g[..., j], S[-(j + 1)], padding_mode, align_corners)
+        f = i.floor()
+        idx.append(f)
+        frac.append(i - f)
+    out = None
+    for corner in range(2 ** d):
+        w = None
+        lin = None
+        ok = None
+        for j in range(d):
+            b = (corner >> j) & 1
+            pos = idx[j] + b
+            wj = frac[j] if b else 1 - frac[j]
+            w = wj if w is None else w * wj
+            inb = (pos >= 0) & (pos < S[-(j + 1)])
+            ok = inb if ok is None else ok & inb
+            term = pos.to(torch.int64) * strides[j]
+            lin = term if lin is None else lin + term
+        lin = torch.where(ok, lin, 0)
+        vals = flat.gather(2, lin.unsqueeze(1).expand(N, C, lin.shape[-1]))
+        term = vals * torch.where(ok, w, 0).unsqueeze(1)
+        out = term if out is None else out + term
+    return out.reshape([N, C] + out_shape)
+
+
+def _grid_sample_fn(input, grid, interpolation_mode, padding_mode, align_corners):
+    if interpolation_mode == _BICUBIC:
+        from torch._decomp.decompositions import grid_sampler_2d as _bicubic_2d
+
+        return _bicubic_2d(input, grid, interpolation_mode, padding_mode, align_corners)
+    return _linear_grid_sample(input, grid, padding_mode, align_corners)
+
+
+def _grid_sampler_double_backward(
+    ggI, ggGrid, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask, sample, sample_backward
+):
+    """Shared body of the 2-D/3-D grid sampler double backward.
+
+    The first backward is ``(gO, input, grid) -> (S(grid)^T gO, J_grid(input, grid)^T gO)``
+    with ``S`` the sampling operator. Against ``ggI`` it contributes ``S(grid) ggI`` to gO
+    and ``J_grid(ggI, grid)^T gO`` to grid (both via the aten kernels). Against ``ggGrid``
+    (ignored for nearest interpolation, whose grid gradient is identically zero) it
+    contributes the directional derivative ``k = d sample(input, grid)[ggGrid]`` to gO and
+    the transposed derivatives of ``k`` w.r.t. input and grid (via ``torch.func`` on a
+    differentiable composite of the sampler).
+    """
+    if interpolation_mode == _NEAREST:
+        ggGrid = None
+    d_gO = d_input = d_grid = None
+    if ggI is not None:
+        if output_mask[0]:
+            d_gO = sample(ggI, grid, interpolation_mode, padding_mode, align_corners)
+        if output_mask[2]:
+            d_grid = sample_backward(
+                grad_output, ggI, grid, interpolation_mode, padding_mode, align_corners, [False, True]
+            )[1]
+    if ggGrid is not None and any(output_mask):
+
+        def k(inp, g):
+            def f(gg):
+                return _grid_sample_fn(inp, gg, interpolation_mode, padding_mode, align_corners)
+
+            return torch.func.jvp(f, (g,), (ggGrid,))[1]
+
+        k_val, k_vjp = torch.func.vjp(k, input, grid)
+        k_input, k_grid = k_vjp(grad_output)
+        if output_mask[0]:
+            d_gO = k_val if d_gO is None else d_gO + k_val
+        if output_mask[1]:
+            d_input = k_input
+        if output_mask[2]:
+            d_grid = k_grid if d_grid is None else d_grid + k_grid
+    return d_gO, d_input, d_grid
+
+
+@register
+def grid_sampler_2d_double_backward(
+    ggI, ggGrid, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask
+):
+    """Double backward of ``grid_sampler_2d``: VJP of ``grid_sampler_2d_backward(gO, input,
+    grid, ...) -> (grad_input, grad_grid)`` against ``(ggI, ggGrid)``.
+
+    ``input``/``ggI``: (N, C, H, W); ``grid``/``ggGrid``: (N, Ho, Wo, 2); ``grad_output``:
+    (N, C, Ho, Wo). ``interpolation_mode`` 0/1/2 = bilinear/nearest/bicubic,
+    ``padding_mode`` 0/1/2 = zeros/border/reflection. Returns ``(d_grad_output, d_input,
+    d_grid)`` per ``output_mask``; ``d_input`` only comes from ``ggGrid`` and ``ggGrid``
+    is ignored for nearest interpolation (None where nothing contributes).
+    Mirrors FunctionsManual `grid_sampler_2d_double_backward`.
+    """
+    return _grid_sampler_double_backward(
+        ggI, ggGrid, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask,
+        torch.grid_sampler_2d, torch.ops.aten.grid_sampler_2d_backward,
+    )
+
+
+@register
+def grid_sampler_3d_double_backward(
+    ggI, ggGrid, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask
+):
+    """Double backward of ``grid_sampler_3d`` (trilinear or nearest): VJP of
+    ``grid_sampler_3d_backward(gO, input, grid, ...) -> (grad_input, grad_grid)`` against
+    ``(ggI, ggGrid)``. ``input``: (N, C, D, H, W); ``grid``: (N, Do, Ho, Wo, 3). Returns
+    ``(d_grad_output, d_input, d_grid)`` as in :func:`grid_sampler_2d_double_backward`.
+    Mirrors FunctionsManual `grid_sampler_3d_double_backward`.
+    """
+    return _grid_sampler_double_backward(
+        ggI, ggGrid, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask,
+        torch.grid_sampler_3d, torch.ops.aten.grid_sampler_3d_backward,
+    )

@@ -265,3 +265,58 @@ def test_make_fx_symbolic():
     gr = torch.randn(3, 7, dtype=D)
     gm = make_fx(f, tracing_mode="symbolic")(gr)
     assert_close(gm(gr), f(gr))
+
+
+# --------------------------------------------------------------------------- grid sampler
+
+
+def _gs_node(dims, im, pm, ac, grid_requires_grad=True):
+    x = torch.randn(*((2, 3, 4, 5) if dims == 2 else (2, 3, 4, 5, 3)), dtype=D, requires_grad=True)
+    grid = torch.rand(*((2, 3, 4, 2) if dims == 2 else (2, 3, 2, 2, 3)), dtype=D) * 2.4 - 1.2
+    grid.requires_grad_(grid_requires_grad)
+    y = (torch.grid_sampler_2d if dims == 2 else torch.grid_sampler_3d)(x, grid, im, pm, ac)
+    gO = torch.randn_like(y, requires_grad=True)
+    inputs = (x, grid) if grid_requires_grad else (x,)
+    grads = torch.autograd.grad(y, inputs, gO, create_graph=True)
+    return grads, grads[0].grad_fn
+
+
+def _gs_args(n, ggI, ggG, mask):
+    return (
+        ggI, ggG, sv(n, "grad_output"), sv(n, "input"), sv(n, "grid"), sv(n, "interpolation_mode"),
+        sv(n, "padding_mode"), sv(n, "align_corners"), mask,
+    )
+
+
+@pytest.mark.parametrize("dims,im", [(2, 0), (2, 1), (2, 2), (3, 0), (3, 1)])
+@pytest.mark.parametrize("pm", [0, 1, 2])
+@pytest.mark.parametrize("ac", [False, True])
+@pytest.mark.parametrize("which", ["I", "G", "IG"])
+def test_grid_sampler_double_backward(dims, im, pm, ac, which):
+    (gx, gg), n = _gs_node(dims, im, pm, ac)
+    ggI = rnd(gx) if "I" in which else None
+    ggG = rnd(gg) if "G" in which else None
+    fn = NN.grid_sampler_2d_double_backward if dims == 2 else NN.grid_sampler_3d_double_backward
+    got = fn(*_gs_args(n, ggI, ggG, (True, True, True)))
+    check(list(got), live(n, ggI, ggG))
+
+
+def test_grid_sampler_double_backward_mask():
+    (gx,), n = _gs_node(2, 0, 0, False, grid_requires_grad=False)
+    ggI = rnd(gx)
+    got = NN.grid_sampler_2d_double_backward(*_gs_args(n, ggI, None, (True, True, False)))
+    check(list(got), live(n, ggI, None))
+
+
+def test_grid_sampler_make_fx_symbolic():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    (gx, gg), n = _gs_node(2, 0, 2, False)
+    args = (rnd(gx), rnd(gg), sv(n, "grad_output"), sv(n, "input"), sv(n, "grid"))
+
+    def f(a, b, c, d, e):
+        return NN.grid_sampler_2d_double_backward(a, b, c, d, e, 0, 2, False, (True, True, True))
+
+    with torch.no_grad():
+        gm = make_fx(f, tracing_mode="symbolic")(*args)
+        check(list(gm(*args)), list(f(*args)))
