@@ -138,8 +138,19 @@ def format_all(sources: dict[str, str], jobs: int) -> dict[str, str]:
 
 
 # -- build ---------------------------------------------------------------------------------
+_BUILT: dict[str, dict[str, str]] = {}  # fingerprint → files, so check + generate in one process build once
+
+
 def build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
     """Render every output file (name → text) from the inputs; raises GenerateError."""
+    fp = fingerprint(inputs, installed_torch_version())
+    if fp not in _BUILT:
+        _BUILT.clear()
+        _BUILT[fp] = _build_files(inputs, jobs)
+    return dict(_BUILT[fp])
+
+
+def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
     import torch
 
     from vjpgen.runtime.helpers import HELPERS

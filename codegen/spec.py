@@ -52,7 +52,7 @@ _TYPES: dict[str, tuple[str, str | None, bool]] = {
     "::std::optional<c10::SymInt>": ("SymInt?", "int", True),
     "::std::optional<int64_t>": ("int?", "int", True),
     "bool": ("bool", "bool", True),
-    "::std::optional<bool>": ("bool?", "bool", True),
+    "::std::optional<bool>": ("bool?", "bool", False),  # no Python getter for optional<bool>
     "double": ("float", "float", True),
     "::std::optional<double>": ("float?", "float", True),
     "at::Scalar": ("Scalar", "scalar", True),

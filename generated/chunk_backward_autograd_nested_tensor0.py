@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:401
 Formulas (C++, as in derivatives.yaml):
     self: chunk_backward_nested(grads, self, chunks, dim)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: no helper or aten function named 'chunk_backward_nested' (at character 21)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import chunk_backward_nested
 
 NAME = "ChunkBackwardAutogradNestedTensor0"
 INPUTS = ("self",)
 SAVED = ("chunks", "dim", "self")
 SCHEMA = ("int", "int", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -33,8 +31,8 @@ def apply_functional(grads, needs_input_grad, chunks, dim, self):
     grad_inputs = [None] * 1
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: ChunkBackwardAutogradNestedTensor0: the formula for self was not translated to Python (no helper or aten function named 'chunk_backward_nested' (at character 21)); formula: chunk_backward_nested(grads, self, chunks, dim)"
+        grad_inputs[0] = (
+            chunk_backward_nested(grads, self, chunks, dim) if any_grad_defined else None
         )
     return grad_inputs
 

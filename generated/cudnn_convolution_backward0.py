@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2753
 Formulas (C++, as in derivatives.yaml):
     self, weight: _cudnn_convolution_backward(self, grad, weight, padding, std::vector<c10::SymInt>(padding.size(), 0), stride, dilation, false, groups, {grad_input_mask[0], grad_input_mask[1]})
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self, weight: no helper or aten function named '_cudnn_convolution_backward' (at character 27)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import _cudnn_convolution_backward
 
 NAME = "CudnnConvolutionBackward0"
 INPUTS = ("self", "weight")
 SAVED = ("dilation", "groups", "padding", "self", "stride", "weight")
 SCHEMA = ("SymInt[]", "SymInt", "SymInt[]", "Tensor", "SymInt[]", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False)
 
 
@@ -33,9 +31,26 @@ def apply_functional(grads, needs_input_grad, dilation, groups, padding, self, s
     grad_inputs = [None] * 2
     grad = grads[0]
     if needs_input_grad[0] or needs_input_grad[1]:  # self, weight
-        raise NotImplementedError(
-            "vjpgen: CudnnConvolutionBackward0: the formula for self, weight was not translated to Python (no helper or aten function named '_cudnn_convolution_backward' (at character 27)); formula: _cudnn_convolution_backward(self, grad, weight, padding, std::vector<c10::SymInt>(padding.size(), 0), stride, dilation, false, groups, {grad_input_mask[0], grad_input_mask[1]})"
+        grad_input_mask = (
+            needs_input_grad[0],
+            needs_input_grad[1],
         )
+        grad_result = _cudnn_convolution_backward(
+            self,
+            grad,
+            weight,
+            padding,
+            [0] * len(padding),
+            stride,
+            dilation,
+            False,
+            groups,
+            [grad_input_mask[0], grad_input_mask[1]],
+        )
+        if needs_input_grad[0]:
+            grad_inputs[0] = grad_result[0]
+        if needs_input_grad[1]:
+            grad_inputs[1] = grad_result[1]
     return grad_inputs
 
 

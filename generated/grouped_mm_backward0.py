@@ -7,10 +7,6 @@ Formulas (C++, as in derivatives.yaml):
     mat2: _grouped_mm_mat2_backward(grad, self, mat2_sym_sizes, mat2_sym_strides, mat2_layout, offs, 1)
     self: _grouped_mm_mat1_backward(grad, mat2, self_sym_sizes, self_sym_strides, self_layout, offs, 1)
 
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    mat2: no helper or aten function named '_grouped_mm_mat2_backward' (at character 25)
-    self: no helper or aten function named '_grouped_mm_mat1_backward' (at character 25)
-
 Saved values torch does not expose to Python:
     mat2_layout (Layout): from the input metadata of the `mat2` edge (None when `mat2` needs no grad)
     self_layout (Layout): from the input metadata of the `self` edge (None when `self` needs no grad)
@@ -19,6 +15,7 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import _grouped_mm_mat1_backward, _grouped_mm_mat2_backward
 
 NAME = "GroupedMmBackward0"
 INPUTS = ("self", "mat2")
@@ -44,7 +41,7 @@ SCHEMA = (
     "SymInt[]",
     "SymInt[]",
 )
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False)
 
 
@@ -72,12 +69,20 @@ def apply_functional(
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[1]:  # mat2
-        raise NotImplementedError(
-            "vjpgen: GroupedMmBackward0: the formula for mat2 was not translated to Python (no helper or aten function named '_grouped_mm_mat2_backward' (at character 25)); formula: _grouped_mm_mat2_backward(grad, self, mat2_sym_sizes, mat2_sym_strides, mat2_layout, offs, 1)"
+        grad_inputs[1] = (
+            _grouped_mm_mat2_backward(
+                grad, self, mat2_sym_sizes, mat2_sym_strides, mat2_layout, offs, 1
+            )
+            if any_grad_defined
+            else None
         )
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: GroupedMmBackward0: the formula for self was not translated to Python (no helper or aten function named '_grouped_mm_mat1_backward' (at character 25)); formula: _grouped_mm_mat1_backward(grad, mat2, self_sym_sizes, self_sym_strides, self_layout, offs, 1)"
+        grad_inputs[0] = (
+            _grouped_mm_mat1_backward(
+                grad, mat2, self_sym_sizes, self_sym_strides, self_layout, offs, 1
+            )
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 

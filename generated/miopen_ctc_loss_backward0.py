@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2846
 Formulas (C++, as in derivatives.yaml):
     log_probs: _miopen_ctc_loss_backward(grad, result0, result1, zero_infinity)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    log_probs: no helper or aten function named '_miopen_ctc_loss_backward' (at character 25)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import _miopen_ctc_loss_backward
 
 NAME = "MiopenCtcLossBackward0"
 INPUTS = ("log_probs",)
 SAVED = ("zero_infinity", "result0", "result1")
 SCHEMA = ("bool", "Tensor", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -34,8 +32,10 @@ def apply_functional(grads, needs_input_grad, zero_infinity, result0, result1):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # log_probs
-        raise NotImplementedError(
-            "vjpgen: MiopenCtcLossBackward0: the formula for log_probs was not translated to Python (no helper or aten function named '_miopen_ctc_loss_backward' (at character 25)); formula: _miopen_ctc_loss_backward(grad, result0, result1, zero_infinity)"
+        grad_inputs[0] = (
+            _miopen_ctc_loss_backward(grad, result0, result1, zero_infinity)
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 

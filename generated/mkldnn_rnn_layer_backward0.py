@@ -5,14 +5,12 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2852
 Formulas (C++, as in derivatives.yaml):
     input, weight0, weight1, weight2, weight3, hx_, cx_: GradMode::is_enabled() ? mkldnn_rnn_layer_differentiable_backward(input, weight0, weight1, weight2, weight3, hx_, cx_, result0, result1, result2, grads[0], grads[1], grads[2], reverse, mode, hidden_size, num_layers, has_biases, train, bidirectional, batch_sizes, batch_first, result3) : mkldnn_rnn_layer_backward(input, weight0, weight1, weight2, weight3, hx_, cx_, result0, result1, result2, grads[0], grads[1], grads[2], reverse, mode, hidden_size, num_layers, has_biases, train, bidirectional, batch_sizes, batch_first, result3)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    input, weight0, weight1, weight2, weight3, hx_, cx_: no helper or aten function named 'mkldnn_rnn_layer_differentiable_backward' (at character 65)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import mkldnn_rnn_layer_differentiable_backward
 
 NAME = "MkldnnRnnLayerBackward0"
 INPUTS = ("input", "weight0", "weight1", "weight2", "weight3", "hx_", "cx_")
@@ -60,7 +58,7 @@ SCHEMA = (
     "Tensor",
     "Tensor",
 )
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False, False, False, False, False, False)
 
 
@@ -105,9 +103,73 @@ def apply_functional(
         or needs_input_grad[5]
         or needs_input_grad[6]
     ):  # input, weight0, weight1, weight2, weight3, hx_, cx_
-        raise NotImplementedError(
-            "vjpgen: MkldnnRnnLayerBackward0: the formula for input, weight0, weight1, weight2, weight3, hx_, cx_ was not translated to Python (no helper or aten function named 'mkldnn_rnn_layer_differentiable_backward' (at character 65)); formula: GradMode::is_enabled() ? mkldnn_rnn_layer_differentiable_backward(input, weight0, weight1, weight2, weight3, hx_, cx_, result0, result1, result2, grads[0], grads[1], grads[2], reverse, mode, hidden_size, num_layers, has_biases, train, bidirectional, batch_sizes, batch_first, result3) : mkldnn_rnn_layer_backward(input, weight0, weight1, weight2, weight3, hx_, cx_, result0, result1, result2, grads[0], grads[1], grads[2], reverse, mode, hidden_size, num_layers, has_biases, train, bidirectional, batch_sizes, batch_first, result3)"
+        grad_result = (
+            mkldnn_rnn_layer_differentiable_backward(
+                input,
+                weight0,
+                weight1,
+                weight2,
+                weight3,
+                hx_,
+                cx_,
+                result0,
+                result1,
+                result2,
+                grads[0],
+                grads[1],
+                grads[2],
+                reverse,
+                mode,
+                hidden_size,
+                num_layers,
+                has_biases,
+                train,
+                bidirectional,
+                batch_sizes,
+                batch_first,
+                result3,
+            )
+            if torch.is_grad_enabled()
+            else torch.ops.aten.mkldnn_rnn_layer_backward(
+                input,
+                weight0,
+                weight1,
+                weight2,
+                weight3,
+                hx_,
+                cx_,
+                result0,
+                result1,
+                result2,
+                grads[0],
+                grads[1],
+                grads[2],
+                reverse,
+                mode,
+                hidden_size,
+                num_layers,
+                has_biases,
+                train,
+                bidirectional,
+                batch_sizes,
+                batch_first,
+                result3,
+            )
         )
+        if needs_input_grad[0]:
+            grad_inputs[0] = grad_result[0]
+        if needs_input_grad[1]:
+            grad_inputs[1] = grad_result[1]
+        if needs_input_grad[2]:
+            grad_inputs[2] = grad_result[2]
+        if needs_input_grad[3]:
+            grad_inputs[3] = grad_result[3]
+        if needs_input_grad[4]:
+            grad_inputs[4] = grad_result[4]
+        if needs_input_grad[5]:
+            grad_inputs[5] = grad_result[5]
+        if needs_input_grad[6]:
+            grad_inputs[6] = grad_result[6]
     return grad_inputs
 
 

@@ -5,6 +5,9 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:619
 Formulas (C++, as in derivatives.yaml):
     input: GradMode::is_enabled() ? infinitely_differentiable_native_dropout_backward(grad, result1, (!train.has_value() || !train.value() ? 1 : (p == 1 ? 0.0 : 1.0 / (1.0 - p)))) : native_dropout_backward(grad, result1, (!train.has_value() || !train.value() ? 1 : (p == 1 ? 0.0 : 1.0 / (1.0 - p))))
+
+Saved values torch does not expose to Python:
+    train (bool?): ::std::optional<bool> argument `train` is not exposed by torch
 """
 
 import torch
@@ -67,6 +70,10 @@ def get_state(node, should_compute=None):
     return [
         _state.needs_input_grad(node, ranges, should_compute),
         node._saved_p,
-        node._saved_train,
+        _state.unrecoverable(
+            "NativeDropoutBackward0",
+            "train",
+            "::std::optional<bool> argument `train` is not exposed by torch",
+        ),
         node._saved_result1,
     ]

@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2885
 Formulas (C++, as in derivatives.yaml):
     padded: _nested_from_padded_backward(grad, padded, fuse_transform_0213)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    padded: no helper or aten function named '_nested_from_padded_backward' (at character 28)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import _nested_from_padded_backward
 
 NAME = "NestedFromPaddedBackward0"
 INPUTS = ("padded",)
 SAVED = ("fuse_transform_0213", "padded")
 SCHEMA = ("bool", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -34,8 +32,10 @@ def apply_functional(grads, needs_input_grad, fuse_transform_0213, padded):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # padded
-        raise NotImplementedError(
-            "vjpgen: NestedFromPaddedBackward0: the formula for padded was not translated to Python (no helper or aten function named '_nested_from_padded_backward' (at character 28)); formula: _nested_from_padded_backward(grad, padded, fuse_transform_0213)"
+        grad_inputs[0] = (
+            _nested_from_padded_backward(grad, padded, fuse_transform_0213)
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 

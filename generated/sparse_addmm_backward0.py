@@ -8,9 +8,6 @@ Formulas (C++, as in derivatives.yaml):
     mat2: mm_mat2_backward(grad, mat1, mat2_sym_sizes, mat2_sym_strides, mat2_layout, alpha)
     self: maybe_multiply(grad, beta)
 
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    mat1: no helper or aten function named 'mm_mat1_sparse_backward' (at character 23)
-
 Saved values torch does not expose to Python:
     mat2_layout (Layout): from the input metadata of the `mat2` edge (None when `mat2` needs no grad)
 """
@@ -18,13 +15,13 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import maybe_multiply, mm_mat2_backward
+from vjpgen.runtime.helpers import maybe_multiply, mm_mat1_sparse_backward, mm_mat2_backward
 
 NAME = "SparseAddmmBackward0"
 INPUTS = ("self", "mat1", "mat2")
 SAVED = ("alpha", "beta", "mat1", "mat2", "mat2_layout", "mat2_sym_sizes", "mat2_sym_strides")
 SCHEMA = ("Scalar", "Scalar", "Tensor", "Tensor", "Layout", "SymInt[]", "SymInt[]")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False, False)
 
 
@@ -42,8 +39,8 @@ def apply_functional(
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[1]:  # mat1
-        raise NotImplementedError(
-            "vjpgen: SparseAddmmBackward0: the formula for mat1 was not translated to Python (no helper or aten function named 'mm_mat1_sparse_backward' (at character 23)); formula: mm_mat1_sparse_backward(grad, mat1, mat2, alpha)"
+        grad_inputs[1] = (
+            mm_mat1_sparse_backward(grad, mat1, mat2, alpha) if any_grad_defined else None
         )
     if needs_input_grad[2]:  # mat2
         grad_inputs[2] = (

@@ -6,9 +6,6 @@ Source: torchgen/packaged/autograd/derivatives.yaml:1971
 Formulas (C++, as in derivatives.yaml):
     self: sparse_mask_backward(grad, mask, self_layout)
 
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: no helper or aten function named 'sparse_mask_backward' (at character 20)
-
 Saved values torch does not expose to Python:
     self_layout (Layout): from the input metadata of the `self` edge (None when `self` needs no grad)
 """
@@ -16,12 +13,13 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import sparse_mask_backward
 
 NAME = "SparseMaskBackward0"
 INPUTS = ("self",)
 SAVED = ("mask", "self_layout")
 SCHEMA = ("Tensor", "Layout")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -37,9 +35,7 @@ def apply_functional(grads, needs_input_grad, mask, self_layout):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: SparseMaskBackward0: the formula for self was not translated to Python (no helper or aten function named 'sparse_mask_backward' (at character 20)); formula: sparse_mask_backward(grad, mask, self_layout)"
-        )
+        grad_inputs[0] = sparse_mask_backward(grad, mask, self_layout) if any_grad_defined else None
     return grad_inputs
 
 

@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:2629
 Formulas (C++, as in derivatives.yaml):
     self, mat1, mat2: sparse_sampled_addmm_backward(grad, self, wrap_opt_if(mat1, grad_input_mask[2]), wrap_opt_if(mat2, grad_input_mask[1]), alpha, beta, grad_input_mask)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self, mat1, mat2: no helper or aten function named 'sparse_sampled_addmm_backward' (at character 29)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import sparse_sampled_addmm_backward
 
 NAME = "SparseSampledAddmmBackward0"
 INPUTS = ("self", "mat1", "mat2")
 SAVED = ("alpha", "beta", "mat1", "mat2", "self")
 SCHEMA = ("Scalar", "Scalar", "Tensor", "Tensor", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False, False)
 
 
@@ -33,9 +31,26 @@ def apply_functional(grads, needs_input_grad, alpha, beta, mat1, mat2, self):
     grad_inputs = [None] * 3
     grad = grads[0]
     if needs_input_grad[0] or needs_input_grad[1] or needs_input_grad[2]:  # self, mat1, mat2
-        raise NotImplementedError(
-            "vjpgen: SparseSampledAddmmBackward0: the formula for self, mat1, mat2 was not translated to Python (no helper or aten function named 'sparse_sampled_addmm_backward' (at character 29)); formula: sparse_sampled_addmm_backward(grad, self, wrap_opt_if(mat1, grad_input_mask[2]), wrap_opt_if(mat2, grad_input_mask[1]), alpha, beta, grad_input_mask)"
+        grad_input_mask = (
+            needs_input_grad[0],
+            needs_input_grad[1],
+            needs_input_grad[2],
         )
+        grad_result = sparse_sampled_addmm_backward(
+            grad,
+            self,
+            mat1 if grad_input_mask[2] else None,
+            mat2 if grad_input_mask[1] else None,
+            alpha,
+            beta,
+            grad_input_mask,
+        )
+        if needs_input_grad[0]:
+            grad_inputs[0] = grad_result[0]
+        if needs_input_grad[1]:
+            grad_inputs[1] = grad_result[1]
+        if needs_input_grad[2]:
+            grad_inputs[2] = grad_result[2]
     return grad_inputs
 
 

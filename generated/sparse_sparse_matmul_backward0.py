@@ -6,21 +6,18 @@ Source: torchgen/packaged/autograd/derivatives.yaml:2231
 Formulas (C++, as in derivatives.yaml):
     other: sparse_sparse_matmul_backward(grad, self, other, 1)
     self: sparse_sparse_matmul_backward(grad, self, other, 0)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    other: no helper or aten function named 'sparse_sparse_matmul_backward' (at character 29)
-    self: no helper or aten function named 'sparse_sparse_matmul_backward' (at character 29)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import sparse_sparse_matmul_backward
 
 NAME = "SparseSparseMatmulBackward0"
 INPUTS = ("self", "other")
 SAVED = ("other", "self")
 SCHEMA = ("Tensor", "Tensor")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False, False)
 
 
@@ -36,12 +33,12 @@ def apply_functional(grads, needs_input_grad, other, self):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[1]:  # other
-        raise NotImplementedError(
-            "vjpgen: SparseSparseMatmulBackward0: the formula for other was not translated to Python (no helper or aten function named 'sparse_sparse_matmul_backward' (at character 29)); formula: sparse_sparse_matmul_backward(grad, self, other, 1)"
+        grad_inputs[1] = (
+            sparse_sparse_matmul_backward(grad, self, other, 1) if any_grad_defined else None
         )
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: SparseSparseMatmulBackward0: the formula for self was not translated to Python (no helper or aten function named 'sparse_sparse_matmul_backward' (at character 29)); formula: sparse_sparse_matmul_backward(grad, self, other, 0)"
+        grad_inputs[0] = (
+            sparse_sparse_matmul_backward(grad, self, other, 0) if any_grad_defined else None
         )
     return grad_inputs
 

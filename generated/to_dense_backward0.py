@@ -5,6 +5,9 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:1824
 Formulas (C++, as in derivatives.yaml):
     self: to_dense_backward(grad, self, masked_grad)
+
+Saved values torch does not expose to Python:
+    masked_grad (bool?): ::std::optional<bool> argument `masked_grad` is not exposed by torch
 """
 
 import torch
@@ -51,6 +54,10 @@ def get_state(node, should_compute=None):
     ranges = _state.input_ranges(node, _INPUT_IS_LIST)
     return [
         _state.needs_input_grad(node, ranges, should_compute),
-        node._saved_masked_grad,
+        _state.unrecoverable(
+            "ToDenseBackward0",
+            "masked_grad",
+            "::std::optional<bool> argument `masked_grad` is not exposed by torch",
+        ),
         node._saved_self,
     ]

@@ -6,9 +6,6 @@ Source: torchgen/packaged/autograd/derivatives.yaml:1859
 Formulas (C++, as in derivatives.yaml):
     self: to_sparse_backward(grad, self_layout, self_self_sym_blocksize_opt)
 
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: no helper or aten function named 'to_sparse_backward' (at character 18)
-
 Saved values torch does not expose to Python:
     self_layout (Layout): from the input metadata of the `self` edge (None when `self` needs no grad)
 """
@@ -16,12 +13,13 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import to_sparse_backward
 
 NAME = "ToSparseBsrBackward0"
 INPUTS = ("self",)
 SAVED = ("self_layout", "self_self_sym_blocksize_opt")
 SCHEMA = ("Layout", "SymInt[]?")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -37,8 +35,10 @@ def apply_functional(grads, needs_input_grad, self_layout, self_self_sym_blocksi
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: ToSparseBsrBackward0: the formula for self was not translated to Python (no helper or aten function named 'to_sparse_backward' (at character 18)); formula: to_sparse_backward(grad, self_layout, self_self_sym_blocksize_opt)"
+        grad_inputs[0] = (
+            to_sparse_backward(grad, self_layout, self_self_sym_blocksize_opt)
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 

@@ -7,7 +7,7 @@ Formulas (C++, as in derivatives.yaml):
     self: self_layout == c10::kJagged ? unbind_backward_nested_jagged(grads, self, dim) : unbind_backward_nested(grads, at::native::get_nested_tensor_impl(self)->get_nested_sizes(), dim, self_options)
 
 Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: no helper or aten function named 'unbind_backward_nested_jagged' (at character 59)
+    self: C++ pointer access `->get_nested_sizes()` has no Python equivalent (at character 168)
 
 Saved values torch does not expose to Python:
     self_layout (Layout): from the input metadata of the `self` edge (None when `self` needs no grad)
@@ -38,7 +38,7 @@ def apply_functional(grads, needs_input_grad, dim, self, self_layout, self_optio
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
         raise NotImplementedError(
-            "vjpgen: UnbindBackwardAutogradNestedTensor0_copy: the formula for self was not translated to Python (no helper or aten function named 'unbind_backward_nested_jagged' (at character 59)); formula: self_layout == c10::kJagged ? unbind_backward_nested_jagged(grads, self, dim) : unbind_backward_nested(grads, at::native::get_nested_tensor_impl(self)->get_nested_sizes(), dim, self_options)"
+            "vjpgen: UnbindBackwardAutogradNestedTensor0_copy: the formula for self was not translated to Python (C++ pointer access `->get_nested_sizes()` has no Python equivalent (at character 168)); formula: self_layout == c10::kJagged ? unbind_backward_nested_jagged(grads, self, dim) : unbind_backward_nested(grads, at::native::get_nested_tensor_impl(self)->get_nested_sizes(), dim, self_options)"
         )
     return grad_inputs
 

@@ -5,20 +5,18 @@
 Source: torchgen/packaged/autograd/derivatives.yaml:0
 Formulas (C++, as in derivatives.yaml):
     self: values_backward(grad, self)
-
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: no helper or aten function named 'values_backward' (at character 15)
 """
 
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import values_backward
 
 NAME = "ValuesBackward0_copy"
 INPUTS = ("self",)
 SAVED = ("self",)
 SCHEMA = ("Tensor",)
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -34,9 +32,7 @@ def apply_functional(grads, needs_input_grad, self):
     grad = grads[0]
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: ValuesBackward0_copy: the formula for self was not translated to Python (no helper or aten function named 'values_backward' (at character 15)); formula: values_backward(grad, self)"
-        )
+        grad_inputs[0] = values_backward(grad, self) if any_grad_defined else None
     return grad_inputs
 
 

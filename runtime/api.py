@@ -27,13 +27,12 @@ _orig_tensor_backward = torch.Tensor.backward
 def call_functional(node, grads) -> tuple:
     """Run ``node``'s backward through its generated module: same contract as ``node(*grads)``
     (one entry per ``next_functions`` edge). Raises NotImplementedError naming the node class when
-    no working module exists."""
+    no module exists, and (from the module) naming the formula when a needed one is untranslated
+    or upstream marks it not_implemented."""
     name = type(node).__name__
     m = engine._get_module(name)
     if m is None:
         raise NotImplementedError(f"vjpgen: no generated module for backward node {name}")
-    if not getattr(m, "TRANSLATED", True):
-        raise NotImplementedError(f"vjpgen: the formula of {name} is not translated")
     return tuple(m.apply_functional_ivalue(list(grads), m.get_state(node)))
 
 

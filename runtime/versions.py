@@ -38,8 +38,8 @@ def package_for_installed_torch(package: str, recorded_version: str) -> str:
     """``package`` if it was generated for the installed torch, else the name of a matching
     package generated on demand; raises RuntimeError naming the command to run if it cannot."""
     version = installed_torch_version()
-    if version == recorded_version:
-        return package
+    if version == recorded_version or package.startswith("vjpgen_generated_torch_"):
+        return package  # a package generated on demand is for the installed torch by construction
     tag = re.sub(r"\W", "_", version)
     root = _cache_root() / f"torch-{tag}"
     name = f"vjpgen_generated_torch_{tag}"

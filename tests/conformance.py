@@ -25,22 +25,10 @@ from pathlib import Path
 
 import torch
 
+from vjpgen.runtime import call_functional
+
 PASSED, MISMATCHED, RAISED, UNSUPPORTED = "passed", "mismatched", "raised", "unsupported"
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "complex128": torch.complex128}
-
-
-def call_functional(node, grads):
-    import vjpgen.runtime as rt
-
-    fn = getattr(rt, "call_functional", None)
-    if fn is not None:
-        return fn(node, grads)
-    from vjpgen.generated import get_module
-
-    mod = get_module(type(node).__name__)
-    if mod is None:
-        raise LookupError(f"no generated module for {type(node).__name__}")
-    return tuple(mod.apply_functional_ivalue(list(grads), mod.get_state(node)))
 
 
 @dataclass
@@ -95,7 +83,10 @@ def check_node(node, gen) -> tuple[str, str]:
     from vjpgen.generated import get_module
 
     name = type(node).__name__
-    mod = get_module(name)
+    try:
+        mod = get_module(name)
+    except Exception as e:
+        return RAISED, f"importing the generated module failed: {_short(e)}"
     if mod is None:
         return UNSUPPORTED, "no generated module (not a derivatives.yaml node class)"
     grads = _grads_for(node, gen)
