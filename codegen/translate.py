@@ -111,6 +111,12 @@ _RENAMED_METHODS = {
     "sym_numel": "numel",
     "sym_storage_offset": "storage_offset",
 }
+# get_nested_tensor_impl(nt)->getter() → the Tensor method exposing the same metadata tensor.
+_NESTED_IMPL_GETTERS = {
+    "get_nested_sizes": "_nested_tensor_size",
+    "get_nested_strides": "_nested_tensor_strides",
+    "get_storage_offsets": "_nested_tensor_storage_offsets",
+}
 # C++ methods whose Python Tensor method of the same name means something else.
 _ATEN_METHODS = {"index": "torch.ops.aten.index.Tensor"}
 _SCALAR_CASTS = {"toDouble": "float", "toFloat": "float", "toComplexDouble": "complex", "to_int": "int"}
@@ -314,6 +320,11 @@ class _Lowerer:
             return self.method_call(n, callee, args)
         if callee.kind == "name":
             return self.function_call(n, callee, args)
+        if callee.kind == "arrow" and not args and callee.args[1] in _NESTED_IMPL_GETTERS:
+            impl = callee.args[0]
+            if impl.kind == "call" and impl.args[0].kind == "name" and _strip_ns(impl.args[0].args[0]) == "get_nested_tensor_impl":
+                (nt,) = impl.args[1]
+                return self.call(self.attr(self.lower(nt), _NESTED_IMPL_GETTERS[callee.args[1]]), [])
         if callee.kind == "arrow":
             raise self.err(f"C++ pointer access `->{callee.args[1]}()` has no Python equivalent", n)
         raise self.err("only calls of named functions and methods are supported", n)

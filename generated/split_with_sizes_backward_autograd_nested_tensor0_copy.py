@@ -6,9 +6,6 @@ Source: torchgen/packaged/autograd/derivatives.yaml:0
 Formulas (C++, as in derivatives.yaml):
     self: _nested_split_with_sizes_backward(grads, split_sizes, dim, at::native::get_nested_tensor_impl(self)->get_nested_sizes(), self_options)
 
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: C++ pointer access `->get_nested_sizes()` has no Python equivalent (at character 117)
-
 Saved values torch does not expose to Python:
     self_options (TensorOptions): from the input metadata of the `self` edge (None when `self` needs no grad)
 """
@@ -16,12 +13,13 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import _nested_split_with_sizes_backward
 
 NAME = "SplitWithSizesBackwardAutogradNestedTensor0_copy"
 INPUTS = ("self",)
 SAVED = ("dim", "self", "self_options", "split_sizes")
 SCHEMA = ("int", "Tensor", "TensorOptions", "SymInt[]")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -36,8 +34,12 @@ def apply_functional(grads, needs_input_grad, dim, self, self_options, split_siz
     grad_inputs = [None] * 1
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: SplitWithSizesBackwardAutogradNestedTensor0_copy: the formula for self was not translated to Python (C++ pointer access `->get_nested_sizes()` has no Python equivalent (at character 117)); formula: _nested_split_with_sizes_backward(grads, split_sizes, dim, at::native::get_nested_tensor_impl(self)->get_nested_sizes(), self_options)"
+        grad_inputs[0] = (
+            _nested_split_with_sizes_backward(
+                grads, split_sizes, dim, self._nested_tensor_size(), self_options
+            )
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 

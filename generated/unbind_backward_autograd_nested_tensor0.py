@@ -6,9 +6,6 @@ Source: torchgen/packaged/autograd/derivatives.yaml:2964
 Formulas (C++, as in derivatives.yaml):
     self: self_layout == c10::kJagged ? unbind_backward_nested_jagged(grads, self, dim) : unbind_backward_nested(grads, at::native::get_nested_tensor_impl(self)->get_nested_sizes(), dim, self_options)
 
-Untranslated (calling apply_functional for these inputs raises NotImplementedError):
-    self: C++ pointer access `->get_nested_sizes()` has no Python equivalent (at character 168)
-
 Saved values torch does not expose to Python:
     self_layout (Layout): from the input metadata of the `self` edge (None when `self` needs no grad)
     self_options (TensorOptions): from the input metadata of the `self` edge (None when `self` needs no grad)
@@ -17,12 +14,13 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
+from vjpgen.runtime.helpers import unbind_backward_nested, unbind_backward_nested_jagged
 
 NAME = "UnbindBackwardAutogradNestedTensor0"
 INPUTS = ("self",)
 SAVED = ("dim", "self", "self_layout", "self_options")
 SCHEMA = ("int", "Tensor", "Layout", "TensorOptions")
-TRANSLATED = False
+TRANSLATED = True
 _INPUT_IS_LIST = (False,)
 
 
@@ -37,8 +35,14 @@ def apply_functional(grads, needs_input_grad, dim, self, self_layout, self_optio
     grad_inputs = [None] * 1
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
-        raise NotImplementedError(
-            "vjpgen: UnbindBackwardAutogradNestedTensor0: the formula for self was not translated to Python (C++ pointer access `->get_nested_sizes()` has no Python equivalent (at character 168)); formula: self_layout == c10::kJagged ? unbind_backward_nested_jagged(grads, self, dim) : unbind_backward_nested(grads, at::native::get_nested_tensor_impl(self)->get_nested_sizes(), dim, self_options)"
+        grad_inputs[0] = (
+            (
+                unbind_backward_nested_jagged(grads, self, dim)
+                if self_layout == torch.jagged
+                else unbind_backward_nested(grads, self._nested_tensor_size(), dim, self_options)
+            )
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 

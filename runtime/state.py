@@ -59,18 +59,20 @@ def dtype_of(meta) -> torch.dtype | None:
 
 
 def layout_of(meta) -> torch.layout | None:
-    """Strided for every dense input (the metadata carries no layout; nested tensors raise)."""
+    """The metadata carries no layout: a C++ nested tensor (NestedTensorImpl) has the strided
+    layout, a jagged one is ``torch.jagged``; every other input is taken as strided (dense)."""
     if meta is None:
         return None
-    _check_dense(meta)
+    if meta.is_nested_tensor and not meta.is_cpp_nested_tensor:
+        return torch.jagged
     return torch.strided
 
 
 def options_of(meta) -> TensorOptions | None:
+    """dtype/device from the metadata; the layout as :func:`layout_of`."""
     if meta is None:
         return None
-    _check_dense(meta)
-    return TensorOptions(meta.dtype, meta.device, torch.strided)
+    return TensorOptions(meta.dtype, meta.device, layout_of(meta))
 
 
 def type_and_size_of(meta) -> TypeAndSize | None:

@@ -22,6 +22,8 @@ __all__ = [
     "unbind_backward_nested_jagged",
     "chunk_backward_nested",
     "_nested_from_padded_backward",
+    "unbind_backward_nested",
+    "_nested_split_with_sizes_backward",
 ]
 
 
@@ -84,3 +86,46 @@ def _nested_from_padded_backward(grad, input, do_transform_0213):
         out = grad.to_padded_tensor(0, (s0, s2, s1 * s3))
         return out.view(s0, s2, s1, s3).permute(0, 2, 1, 3)
     return grad.to_padded_tensor(0, tuple(input.shape))
+
+
+def _zeros_components(grads, sizes: list[list[int]], options) -> list[torch.Tensor]:
+    """Defined grads as they are; undefined ones as zeros of the given component sizes."""
+    kw = options.kwargs() if options is not None else {}
+    kw.pop("layout", None)
+    return [g if g is not None else torch.zeros(sizes[i], **kw) for i, g in enumerate(grads)]
+
+
+@register
+def unbind_backward_nested(grads, nt_sizes, dim, options):
+    """VJP of ``unbind(self, 0)`` for a strided-layout nested tensor ``self``.
+
+    ``nt_sizes``: the (B, ndim) size tensor of ``self`` (``self._nested_tensor_size()``);
+    undefined component grads become zeros of that component's size. Returns a strided
+    nested tensor built from the components. Reads ``nt_sizes`` values (data-dependent, as
+    the C++ does). Mirrors FunctionsManual ``unbind_backward_nested``.
+    """
+    sizes = nt_sizes.tolist()
+    return torch._nested_tensor_from_tensor_list(_zeros_components(grads, sizes, options))
+
+
+@register
+def _nested_split_with_sizes_backward(grads, split_sizes, dim, nt_sizes, options):
+    """VJP of ``split_with_sizes(self, split_sizes, dim)`` for a strided nested tensor ``self``.
+
+    ``dim`` counts the batch dim (it must not be 0); undefined grads become zero nested tensors
+    whose components have ``split_sizes[i]`` along ``dim``. The result concatenates the pieces
+    along ``dim``. Reads ``nt_sizes`` values (data-dependent, as the C++ does).
+    Mirrors FunctionsManual ``_nested_split_with_sizes_backward``.
+    """
+    sizes = nt_sizes.tolist()
+    ndim = (len(sizes[0]) if sizes else 0) + 1
+    d = dim + ndim if dim < 0 else dim
+    pieces = []
+    for i, g in enumerate(grads):
+        if g is None:
+            comp = [list(s) for s in sizes]
+            for s in comp:
+                s[d - 1] = split_sizes[i]
+            g = torch._nested_tensor_from_tensor_list(_zeros_components([None] * len(comp), comp, options))
+        pieces.append(g)
+    return torch.cat(pieces, d)
