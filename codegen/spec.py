@@ -71,6 +71,15 @@ _TYPES: dict[str, tuple[str, str | None, bool]] = {
     "::std::vector<::std::vector<int64_t>>": ("int[][]", "list", False),
 }
 
+# Saved values torch does not expose, recoverable for one node class from what it does expose:
+# (node class, saved name) → (Python expression over `node`, how).
+_SPECIAL_RECOVERY = {
+    ("SoftmaxBackwardDataBackward0", "input_dtype"): (
+        "node._input_metadata[0].dtype",
+        "the dtype of the node's output: _softmax_backward_data returns input_dtype",
+    ),
+}
+
 _INT_TYPES = {
     "c10::SymIntArrayRef", "at::IntArrayRef", "::std::optional<c10::SymIntArrayRef>", "at::OptionalIntArrayRef",
     "int64_t", "c10::SymInt", "::std::optional<c10::SymInt>", "::std::optional<int64_t>",
@@ -129,7 +138,10 @@ class SpecBuilder:
                 locals_[name] = py
                 if coarse:
                     types[py] = coarse
-                getter, note = self._getter(op, name, cpp, var.expr, exposed, input_idx, outputs)
+                cat_dim = info.func.func.name.name.base == "cat" and any(
+                    str(v.nctype.name) == "dim" for v in info.all_saved_inputs
+                )
+                getter, note = self._getter(op, name, cpp, var.expr, exposed, input_idx, outputs, cat_dim)
                 saved.append(SavedSpec(name, py, schema, getter, note))
         if uses_retain_variables(info):
             saved.append(SavedSpec("retain_variables", "retain_variables", "bool", "True",
@@ -208,7 +220,7 @@ class SpecBuilder:
         return out
 
     @staticmethod
-    def _getter(op, name, cpp, expr, exposed, input_idx, outputs) -> tuple[str, str]:
+    def _getter(op, name, cpp, expr, exposed, input_idx, outputs, cat_dim=False) -> tuple[str, str]:
         """A Python expression reading saved value ``name`` from ``node``, and a note."""
         if exposed:
             if cpp in ("at::TensorList", "::std::vector<at::Tensor>", "c10::List<::std::optional<at::Tensor>>"):
@@ -217,6 +229,9 @@ class SpecBuilder:
                 # torch returns int64 values through PyLong_FromUnsignedLong: -1 reads as 2**64 - 1
                 return f"_state.signed(node._saved_{name})", ""
             return f"node._saved_{name}", ""
+
+        if (op, name) in _SPECIAL_RECOVERY:
+            return _SPECIAL_RECOVERY[(op, name)]
 
         def unrecoverable(why: str) -> tuple[str, str]:
             return f"_state.unrecoverable({op!r}, {name!r}, {why!r})", why
@@ -237,9 +252,13 @@ class SpecBuilder:
             if arg not in input_idx:
                 return unrecoverable(f"`{expr}` of a non-differentiable input")
             k = input_idx[arg]
-            kind = "dtypes" if fn == "to_args_scalartypes" else "sizes"
-            return (f"_state.list_{kind}(node, ranges[{k}])",
-                    f"from the edges' input metadata of `{arg}`")
+            if fn == "to_args_scalartypes":
+                return (f"_state.list_dtypes(node, ranges[{k}])",
+                        f"from the edges' input metadata of `{arg}` (the output dtype where an edge is invalid)")
+            if cat_dim:
+                return (f"_state.list_sizes(node, ranges[{k}], cat_dim=_state.signed(node._saved_dim))",
+                        f"from the edges' input metadata of `{arg}`; one missing size is derived from the output")
+            return f"_state.list_sizes(node, ranges[{k}])", f"from the edges' input metadata of `{arg}`"
         var = m.group(1) or m.group(3) or m.group(4)
         what = m.group(2) or ("type_and_size" if cpp.endswith("TypeAndSize") else None)
         if what is None:

@@ -7,7 +7,7 @@ Formulas (C++, as in derivatives.yaml):
     tensors: block_diag_backward(grad, tensors_args_sizes, tensors_args_scalartypes)
 
 Saved values torch does not expose to Python:
-    tensors_args_scalartypes (ScalarType[]): from the edges' input metadata of `tensors`
+    tensors_args_scalartypes (ScalarType[]): from the edges' input metadata of `tensors` (the output dtype where an edge is invalid)
     tensors_args_sizes (int[][]): from the edges' input metadata of `tensors`
 """
 

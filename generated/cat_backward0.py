@@ -7,8 +7,8 @@ Formulas (C++, as in derivatives.yaml):
     tensors: cat_tensors_backward(grad, tensors_args_sizes_symint, tensors_args_scalartypes, dim)
 
 Saved values torch does not expose to Python:
-    tensors_args_scalartypes (ScalarType[]): from the edges' input metadata of `tensors`
-    tensors_args_sizes_symint (SymInt[][]): from the edges' input metadata of `tensors`
+    tensors_args_scalartypes (ScalarType[]): from the edges' input metadata of `tensors` (the output dtype where an edge is invalid)
+    tensors_args_sizes_symint (SymInt[][]): from the edges' input metadata of `tensors`; one missing size is derived from the output
 """
 
 import torch
@@ -63,5 +63,5 @@ def get_state(node, should_compute=None):
         len(ranges[0]),
         _state.signed(node._saved_dim),
         _state.list_dtypes(node, ranges[0]),
-        _state.list_sizes(node, ranges[0]),
+        _state.list_sizes(node, ranges[0], cat_dim=_state.signed(node._saved_dim)),
     ]

@@ -8,7 +8,7 @@ Formulas (C++, as in derivatives.yaml):
     output: softmax_double_backward(grad.to(output.dtype()), grad_output, dim, output).to(output.dtype())
 
 Saved values torch does not expose to Python:
-    input_dtype (ScalarType): at::ScalarType argument `input_dtype` is not exposed by torch
+    input_dtype (ScalarType): the dtype of the node's output: _softmax_backward_data returns input_dtype
 """
 
 import torch
@@ -68,10 +68,6 @@ def get_state(node, should_compute=None):
         _state.needs_input_grad(node, ranges, should_compute),
         _state.signed(node._saved_dim),
         node._saved_grad_output,
-        _state.unrecoverable(
-            "SoftmaxBackwardDataBackward0",
-            "input_dtype",
-            "at::ScalarType argument `input_dtype` is not exposed by torch",
-        ),
+        node._input_metadata[0].dtype,
         node._saved_output,
     ]

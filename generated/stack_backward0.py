@@ -7,7 +7,7 @@ Formulas (C++, as in derivatives.yaml):
     tensors: stack_tensors_backward(grad, dim, tensors_args_scalartypes)
 
 Saved values torch does not expose to Python:
-    tensors_args_scalartypes (ScalarType[]): from the edges' input metadata of `tensors`
+    tensors_args_scalartypes (ScalarType[]): from the edges' input metadata of `tensors` (the output dtype where an edge is invalid)
 """
 
 import torch

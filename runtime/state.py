@@ -98,22 +98,35 @@ def geometry_of(node, r: range) -> TensorGeometry | None:
 
 
 def list_dtypes(node, r: range) -> list:
-    """dtype of each tensor of a ``Tensor[]`` input (None for those that need no grad)."""
-    return [dtype_of(input_meta(node, range(j, j + 1))) for j in r]
+    """dtype of each tensor of a ``Tensor[]`` input. Where an edge is invalid (that tensor needs no
+    grad, so the engine drops whatever is computed for it) the output's dtype stands in."""
+    out_dtype = node._input_metadata[0].dtype
+    dts = [dtype_of(input_meta(node, range(j, j + 1))) for j in r]
+    return [out_dtype if d is None else d for d in dts]
 
 
-def list_sizes(node, r: range) -> list:
-    """Shape of each tensor of a ``Tensor[]`` input; raises when one is unknown."""
-    out = []
-    for j in r:
-        meta = input_meta(node, range(j, j + 1))
-        if meta is None:
-            raise NotImplementedError(
-                f"vjpgen: {type(node).__name__}: the size of list element {j - r.start} is not "
-                "recoverable (it does not require grad); call the live node instead"
-            )
-        out.append(tuple(meta.shape))
-    return out
+def list_sizes(node, r: range, cat_dim: int | None = None) -> list:
+    """Shape of each tensor of a ``Tensor[]`` input, from the edges' metadata.
+
+    For ``cat`` (``cat_dim`` given) one tensor that needs no grad is recovered from the output
+    shape: same sizes except along ``cat_dim``, where it takes what the others leave. Raises
+    NotImplementedError when a size stays unknown.
+    """
+    sizes = [input_meta(node, range(j, j + 1)) for j in r]
+    sizes = [None if m is None else tuple(m.shape) for m in sizes]
+    missing = [k for k, s in enumerate(sizes) if s is None]
+    if len(missing) == 1 and cat_dim is not None:
+        out = tuple(node._input_metadata[0].shape)
+        d = cat_dim + len(out) if cat_dim < 0 else cat_dim
+        legacy_empty = (0,)  # cat skips 1-D empty inputs
+        used = sum(s[d] for s in sizes if s is not None and (s != legacy_empty or len(out) == 1))
+        sizes[missing[0]] = out[:d] + (out[d] - used,) + out[d + 1 :]
+    elif missing:
+        raise NotImplementedError(
+            f"vjpgen: {type(node).__name__}: the size of list element {missing[0]} is not "
+            "recoverable (it does not require grad); call the live node instead"
+        )
+    return sizes
 
 
 def unrecoverable(node_class: str, name: str, why: str):
