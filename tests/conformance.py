@@ -78,8 +78,8 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[:160]}"
 
 
-def check_node(node, gen) -> tuple[str, str]:
-    """(status, reason) of one node against the live node."""
+def check_node(node, gen, drop: int | None = None) -> tuple[str, str]:
+    """(status, reason) of one node against the live node; ``drop`` makes that grad undefined."""
     from vjpgen.generated import get_module
 
     name = type(node).__name__
@@ -90,6 +90,8 @@ def check_node(node, gen) -> tuple[str, str]:
     if mod is None:
         return UNSUPPORTED, "no generated module (not a derivatives.yaml node class)"
     grads = _grads_for(node, gen)
+    if drop is not None:
+        grads[drop] = None
     try:
         with torch.no_grad():
             expected = node(*grads)
@@ -165,14 +167,20 @@ def run(op_names=None, dtypes=("float64", "float32", "complex128"), max_samples=
                     r = results[name]
                     r.tried += 1
                     r.ops.add(label)
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        status, reason = check_node(node, gen)
-                    r.counts[status] += 1
-                    if reason:
-                        r.reasons[f"{status}: {reason}"] += 1
-                    if log and status in (MISMATCHED, RAISED):
-                        log(f"{status:10} {name:40} {label} {dname}: {reason}")
+                    # all grads defined, then (multi-output nodes) each grad undefined in turn
+                    drops = [None] + (list(range(len(node._input_metadata))) if len(node._input_metadata) > 1 else [])
+                    for drop in drops:
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore")
+                            status, reason = check_node(node, gen, drop)
+                        if drop is not None:
+                            r.tried += 1
+                            reason = f"{reason} [grad {drop} undefined]" if reason else reason
+                        r.counts[status] += 1
+                        if reason:
+                            r.reasons[f"{status}: {reason}"] += 1
+                        if log and status in (MISMATCHED, RAISED):
+                            log(f"{status:10} {name:40} {label} {dname}: {reason}")
     return dict(results), op_errors
 
 

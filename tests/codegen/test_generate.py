@@ -115,3 +115,25 @@ def test_other_torch_release_without_yaml_names_the_command(tmp_path, monkeypatc
             versions.package_for_installed_torch("vjpgen.generated", "2.13.0")
     finally:
         versions.package_for_installed_torch.cache_clear()
+
+
+def test_repo_override_replaces_the_upstream_formula():
+    import torch
+
+    import vjpgen.generated as g
+    from vjpgen.runtime import call_functional
+
+    m = g.get_module("MulBackward0")
+    src = Path(m.__file__).read_text()
+    assert "derivatives.yaml:" in src and "(repo)" in src and "override of the upstream entry" in src
+    assert "mul_tensor_backward" not in src  # the repo entry inlines it
+    # the override still matches the live node, complex and mixed dtypes included
+    for da, db in ((torch.float64, torch.float64), (torch.complex128, torch.float64), (torch.float32, torch.complex128)):
+        a = torch.randn(3, 4, dtype=da, requires_grad=True)
+        b = torch.randn(4, dtype=db, requires_grad=True)
+        node = (a * b).grad_fn
+        grad = torch.randn(3, 4, dtype=torch.promote_types(da, db))
+        expected = node(grad)
+        actual = call_functional(node, [grad])
+        for x, y in zip(actual, expected):
+            torch.testing.assert_close(x, y)
