@@ -55,6 +55,11 @@ class NodeSpec:
     uses_tensor_options: bool
     source: str  # "file:line" of the derivatives.yaml entry
     overridden: bool  # replaced by the repo's derivatives.yaml
+    meta_inputs: tuple[int, ...] = ()  # inputs whose edge metadata get_state reads (as meta<k>)
+
+    @property
+    def has_lists(self) -> bool:
+        return any(i.is_list for i in self.inputs)
 
     @property
     def translated(self) -> bool:

@@ -126,6 +126,7 @@ class SpecBuilder:
         for k, inp in enumerate(inputs):
             if inp.is_list:
                 saved.append(SavedSpec(f"{inp.name}_size_", f"{inp.name}_size_", "size_t", f"len(ranges[{k}])"))
+        metas: set[int] = set()
         types: dict[str, str] = {}
         locals_: dict[str, str] = {}
         for is_output, group in ((False, info.all_saved_inputs), (True, info.all_saved_outputs)):
@@ -142,6 +143,7 @@ class SpecBuilder:
                     str(v.nctype.name) == "dim" for v in info.all_saved_inputs
                 )
                 getter, note = self._getter(op, name, cpp, var.expr, exposed, input_idx, outputs, cat_dim)
+                metas.update(int(m) for m in re.findall(r"\bmeta(\d+)\b", getter))
                 saved.append(SavedSpec(name, py, schema, getter, note))
         if uses_retain_variables(info):
             saved.append(SavedSpec("retain_variables", "retain_variables", "bool", "True",
@@ -205,6 +207,7 @@ class SpecBuilder:
             uses_tensor_options=uses_opts,
             source=source,
             overridden=overridden,
+            meta_inputs=tuple(sorted(metas)),
         )
 
     @staticmethod
@@ -245,7 +248,7 @@ class SpecBuilder:
             arg = m.group(7)
             if arg not in input_idx:
                 return unrecoverable(f"`{expr}` of a non-differentiable input")
-            return (f"_state.geometry_of(node, ranges[{input_idx[arg]}])",
+            return (f"_state.geometry_of(node, nf, ranges[{input_idx[arg]}])",
                     f"from the leaf tensor behind the `{arg}` edge (AccumulateGrad); raises for a non-leaf")
         if m.group(5):
             fn, arg = m.group(5), m.group(6)
@@ -253,18 +256,18 @@ class SpecBuilder:
                 return unrecoverable(f"`{expr}` of a non-differentiable input")
             k = input_idx[arg]
             if fn == "to_args_scalartypes":
-                return (f"_state.list_dtypes(node, ranges[{k}])",
+                return (f"_state.list_dtypes(node, nf, ranges[{k}])",
                         f"from the edges' input metadata of `{arg}` (the output dtype where an edge is invalid)")
             if cat_dim:
-                return (f"_state.list_sizes(node, ranges[{k}], cat_dim=_state.signed(node._saved_dim))",
+                return (f"_state.list_sizes(node, nf, ranges[{k}], cat_dim=_state.signed(node._saved_dim))",
                         f"from the edges' input metadata of `{arg}`; one missing size is derived from the output")
-            return f"_state.list_sizes(node, ranges[{k}])", f"from the edges' input metadata of `{arg}`"
+            return f"_state.list_sizes(node, nf, ranges[{k}])", f"from the edges' input metadata of `{arg}`"
         var = m.group(1) or m.group(3) or m.group(4)
         what = m.group(2) or ("type_and_size" if cpp.endswith("TypeAndSize") else None)
         if what is None:
             return unrecoverable(f"{cpp} argument `{expr}` is not exposed by torch")
         if var in input_idx:
-            meta = f"_state.input_meta(node, ranges[{input_idx[var]}])"
+            meta = f"meta{input_idx[var]}"
             src = f"input metadata of the `{var}` edge (None when `{var}` needs no grad)"
         elif var in outputs:
             meta = f"node._input_metadata[{outputs[var]}]"

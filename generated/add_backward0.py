@@ -22,7 +22,10 @@ INPUTS = ("self", "other")
 SAVED = ("alpha", "other_scalar_type", "self_scalar_type")
 SCHEMA = ("Scalar", "ScalarType", "ScalarType")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+)
 
 
 def apply_functional(grads, needs_input_grad, alpha, other_scalar_type, self_scalar_type):
@@ -58,10 +61,13 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta0 = _state.input_meta(nf, ranges[0])
+    meta1 = _state.input_meta(nf, ranges[1])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_alpha,
-        _state.dtype_of(_state.input_meta(node, ranges[1])),
-        _state.dtype_of(_state.input_meta(node, ranges[0])),
+        _state.dtype_of(meta1),
+        _state.dtype_of(meta0),
     ]

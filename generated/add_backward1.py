@@ -20,7 +20,7 @@ INPUTS = ("self",)
 SAVED = ("self_scalar_type",)
 SCHEMA = ("ScalarType",)
 TRANSLATED = True
-_INPUT_IS_LIST = (False,)
+_RANGES = (range(0, 1),)
 
 
 def apply_functional(grads, needs_input_grad, self_scalar_type):
@@ -50,8 +50,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta0 = _state.input_meta(nf, ranges[0])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
-        _state.dtype_of(_state.input_meta(node, ranges[0])),
+        _state.needs_input_grad(nf, ranges, should_compute),
+        _state.dtype_of(meta0),
     ]

@@ -31,7 +31,11 @@ SAVED = (
 )
 SCHEMA = ("ScalarType", "Tensor", "ScalarType", "Tensor", "ScalarType", "Scalar")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+    range(2, 3),
+)
 
 
 def apply_functional(
@@ -82,13 +86,17 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta0 = _state.input_meta(nf, ranges[0])
+    meta1 = _state.input_meta(nf, ranges[1])
+    meta2 = _state.input_meta(nf, ranges[2])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
-        _state.dtype_of(_state.input_meta(node, ranges[0])),
+        _state.needs_input_grad(nf, ranges, should_compute),
+        _state.dtype_of(meta0),
         node._saved_tensor1,
-        _state.dtype_of(_state.input_meta(node, ranges[1])),
+        _state.dtype_of(meta1),
         node._saved_tensor2,
-        _state.dtype_of(_state.input_meta(node, ranges[2])),
+        _state.dtype_of(meta2),
         node._saved_value,
     ]

@@ -22,7 +22,10 @@ INPUTS = ("self", "src")
 SAVED = ("self_geometry", "size", "src_geometry", "storage_offset", "stride")
 SCHEMA = ("TensorGeometry", "SymInt[]", "TensorGeometry", "SymInt?", "SymInt[]")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+)
 
 
 def apply_functional(
@@ -64,12 +67,13 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
-        _state.geometry_of(node, ranges[0]),
+        _state.needs_input_grad(nf, ranges, should_compute),
+        _state.geometry_of(node, nf, ranges[0]),
         _state.signed(node._saved_size),
-        _state.geometry_of(node, ranges[1]),
+        _state.geometry_of(node, nf, ranges[1]),
         _state.signed(node._saved_storage_offset),
         _state.signed(node._saved_stride),
     ]

@@ -16,7 +16,7 @@ INPUTS = ("self",)
 SAVED = ("dilation", "kernel_size", "padding", "stride")
 SCHEMA = ("int[]", "int[]", "int[]", "int[]")
 TRANSLATED = True
-_INPUT_IS_LIST = (False,)
+_RANGES = (range(0, 1),)
 
 
 def apply_functional(grads, needs_input_grad, dilation, kernel_size, padding, stride):
@@ -50,9 +50,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         _state.signed(node._saved_dilation),
         _state.signed(node._saved_kernel_size),
         _state.signed(node._saved_padding),

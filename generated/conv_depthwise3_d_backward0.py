@@ -16,7 +16,11 @@ INPUTS = ("self", "weight", "bias")
 SAVED = ("bias_sym_sizes_opt", "dilation", "padding", "self", "stride", "weight")
 SCHEMA = ("SymInt[]?", "SymInt[]", "SymInt[]", "Tensor", "SymInt[]", "Tensor")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+    range(2, 3),
+)
 
 
 def apply_functional(
@@ -74,9 +78,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         _state.signed(node._saved_bias_sym_sizes_opt),
         _state.signed(node._saved_dilation),
         _state.signed(node._saved_padding),

@@ -21,7 +21,10 @@ INPUTS = ("self", "other")
 SAVED = ("other", "rounding_mode", "self", "self_scalar_type")
 SCHEMA = ("Tensor", "str?", "Tensor", "ScalarType")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+)
 
 
 def apply_functional(grads, needs_input_grad, other, rounding_mode, self, self_scalar_type):
@@ -65,11 +68,13 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta0 = _state.input_meta(nf, ranges[0])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_other,
         node._saved_rounding_mode,
         node._saved_self,
-        _state.dtype_of(_state.input_meta(node, ranges[0])),
+        _state.dtype_of(meta0),
     ]

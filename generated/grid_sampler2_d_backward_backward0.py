@@ -17,7 +17,11 @@ INPUTS = ("grad_output", "input", "grid")
 SAVED = ("align_corners", "grad_output", "grid", "input", "interpolation_mode", "padding_mode")
 SCHEMA = ("bool", "Tensor", "Tensor", "Tensor", "int", "int")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+    range(2, 3),
+)
 
 
 def apply_functional(
@@ -77,9 +81,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_align_corners,
         node._saved_grad_output,
         node._saved_grid,

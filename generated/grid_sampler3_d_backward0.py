@@ -16,7 +16,10 @@ INPUTS = ("input", "grid")
 SAVED = ("align_corners", "grid", "input", "interpolation_mode", "padding_mode")
 SCHEMA = ("bool", "Tensor", "Tensor", "int", "int")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+)
 
 
 def apply_functional(
@@ -61,9 +64,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_align_corners,
         node._saved_grid,
         node._saved_input,

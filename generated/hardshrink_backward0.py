@@ -16,7 +16,7 @@ INPUTS = ("self",)
 SAVED = ("lambd", "self")
 SCHEMA = ("Scalar", "Tensor")
 TRANSLATED = True
-_INPUT_IS_LIST = (False,)
+_RANGES = (range(0, 1),)
 
 
 def apply_functional(grads, needs_input_grad, lambd, self):
@@ -48,9 +48,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_lambd,
         node._saved_self,
     ]

@@ -17,7 +17,7 @@ INPUTS = ("A",)
 SAVED = ("full_matrices", "S", "S_sym_argsize_minus_1", "U", "Vh")
 SCHEMA = ("bool", "Tensor", "SymInt", "Tensor", "Tensor")
 TRANSLATED = True
-_INPUT_IS_LIST = (False,)
+_RANGES = (range(0, 1),)
 
 
 def apply_functional(grads, needs_input_grad, full_matrices, S, S_sym_argsize_minus_1, U, Vh):
@@ -68,9 +68,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_full_matrices,
         node._saved_S,
         _state.signed(node._saved_S_sym_argsize_minus_1),

@@ -120,9 +120,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _state.input_ranges(len(nf), _INPUT_IS_LIST)
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         len(ranges[1]),
         len(ranges[2]),
         node._saved_batch_first,

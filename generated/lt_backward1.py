@@ -21,7 +21,10 @@ INPUTS = ("self", "other")
 SAVED = ("other_info", "self_info")
 SCHEMA = ("TypeAndSize", "TypeAndSize")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+)
 
 
 def apply_functional(grads, needs_input_grad, other_info, self_info):
@@ -52,9 +55,12 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta0 = _state.input_meta(nf, ranges[0])
+    meta1 = _state.input_meta(nf, ranges[1])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
-        _state.type_and_size_of(_state.input_meta(node, ranges[1])),
-        _state.type_and_size_of(_state.input_meta(node, ranges[0])),
+        _state.needs_input_grad(nf, ranges, should_compute),
+        _state.type_and_size_of(meta1),
+        _state.type_and_size_of(meta0),
     ]

@@ -31,7 +31,10 @@ SAVED = (
 )
 SCHEMA = ("Tensor", "Layout", "SymInt[]", "SymInt[]", "Tensor", "Layout", "SymInt[]", "SymInt[]")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+)
 
 
 def apply_functional(
@@ -82,15 +85,18 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta0 = _state.input_meta(nf, ranges[0])
+    meta1 = _state.input_meta(nf, ranges[1])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_mat2,
-        _state.layout_of(_state.input_meta(node, ranges[1])),
+        _state.layout_of(meta1),
         _state.signed(node._saved_mat2_sym_sizes),
         _state.signed(node._saved_mat2_sym_strides),
         node._saved_self,
-        _state.layout_of(_state.input_meta(node, ranges[0])),
+        _state.layout_of(meta0),
         _state.signed(node._saved_self_sym_sizes),
         _state.signed(node._saved_self_sym_strides),
     ]

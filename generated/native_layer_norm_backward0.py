@@ -16,7 +16,11 @@ INPUTS = ("input", "weight", "bias")
 SAVED = ("bias", "input", "normalized_shape", "weight", "result1", "result2")
 SCHEMA = ("Tensor?", "Tensor", "SymInt[]", "Tensor?", "Tensor", "Tensor")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+    range(2, 3),
+)
 
 
 def apply_functional(
@@ -64,9 +68,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_bias,
         node._saved_input,
         _state.signed(node._saved_normalized_shape),

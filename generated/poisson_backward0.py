@@ -19,7 +19,7 @@ INPUTS = ("self",)
 SAVED = ("self_info",)
 SCHEMA = ("TypeAndSize",)
 TRANSLATED = True
-_INPUT_IS_LIST = (False,)
+_RANGES = (range(0, 1),)
 
 
 def apply_functional(grads, needs_input_grad, self_info):
@@ -48,8 +48,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta0 = _state.input_meta(nf, ranges[0])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
-        _state.type_and_size_of(_state.input_meta(node, ranges[0])),
+        _state.needs_input_grad(nf, ranges, should_compute),
+        _state.type_and_size_of(meta0),
     ]

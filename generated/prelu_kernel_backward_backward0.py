@@ -40,7 +40,11 @@ SCHEMA = (
     "TensorOptions",
 )
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+    range(2, 3),
+)
 
 
 def apply_functional(
@@ -117,14 +121,18 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta0 = _state.input_meta(nf, ranges[0])
+    meta1 = _state.input_meta(nf, ranges[1])
+    meta2 = _state.input_meta(nf, ranges[2])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_grad_output,
-        _state.options_of(_state.input_meta(node, ranges[0])),
+        _state.options_of(meta0),
         node._saved_self,
-        _state.type_and_size_of(_state.input_meta(node, ranges[1])),
-        _state.options_of(_state.input_meta(node, ranges[1])),
+        _state.type_and_size_of(meta1),
+        _state.options_of(meta1),
         node._saved_weight,
-        _state.options_of(_state.input_meta(node, ranges[2])),
+        _state.options_of(meta2),
     ]

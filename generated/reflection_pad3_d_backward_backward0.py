@@ -20,7 +20,10 @@ INPUTS = ("grad_output", "self")
 SAVED = ("padding", "self_info")
 SCHEMA = ("SymInt[]", "TypeAndSize")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+)
 
 
 def apply_functional(grads, needs_input_grad, padding, self_info):
@@ -54,9 +57,11 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta1 = _state.input_meta(nf, ranges[1])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         _state.signed(node._saved_padding),
-        _state.type_and_size_of(_state.input_meta(node, ranges[1])),
+        _state.type_and_size_of(meta1),
     ]

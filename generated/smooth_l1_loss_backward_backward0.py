@@ -19,7 +19,11 @@ INPUTS = ("grad_output", "self", "target")
 SAVED = ("beta", "grad_output", "reduction", "self", "target")
 SCHEMA = ("float", "Tensor", "int", "Tensor", "Tensor")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+    range(2, 3),
+)
 
 
 def apply_functional(grads, needs_input_grad, beta, grad_output, reduction, self, target):
@@ -65,9 +69,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_beta,
         node._saved_grad_output,
         _state.signed(node._saved_reduction),

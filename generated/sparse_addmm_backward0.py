@@ -22,7 +22,11 @@ INPUTS = ("self", "mat1", "mat2")
 SAVED = ("alpha", "beta", "mat1", "mat2", "mat2_layout", "mat2_sym_sizes", "mat2_sym_strides")
 SCHEMA = ("Scalar", "Scalar", "Tensor", "Tensor", "Layout", "SymInt[]", "SymInt[]")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+    range(2, 3),
+)
 
 
 def apply_functional(
@@ -64,14 +68,16 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta2 = _state.input_meta(nf, ranges[2])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         node._saved_alpha,
         node._saved_beta,
         node._saved_mat1,
         node._saved_mat2,
-        _state.layout_of(_state.input_meta(node, ranges[2])),
+        _state.layout_of(meta2),
         _state.signed(node._saved_mat2_sym_sizes),
         _state.signed(node._saved_mat2_sym_strides),
     ]

@@ -17,7 +17,11 @@ INPUTS = ("i1", "i2", "i3")
 SAVED = ("expand1", "expand2", "expand3", "i1", "i2", "i3", "sumdim")
 SCHEMA = ("int[]", "int[]", "int[]", "Tensor", "Tensor", "Tensor", "int[]")
 TRANSLATED = True
-_INPUT_IS_LIST = (False, False, False)
+_RANGES = (
+    range(0, 1),
+    range(1, 2),
+    range(2, 3),
+)
 
 
 def apply_functional(grads, needs_input_grad, expand1, expand2, expand3, i1, i2, i3, sumdim):
@@ -67,9 +71,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         _state.signed(node._saved_expand1),
         _state.signed(node._saved_expand2),
         _state.signed(node._saved_expand3),

@@ -19,7 +19,7 @@ INPUTS = ("self",)
 SAVED = ("indices", "self_options", "self_sym_sizes")
 SCHEMA = ("Tensor?[]", "TensorOptions", "SymInt[]")
 TRANSLATED = True
-_INPUT_IS_LIST = (False,)
+_RANGES = (range(0, 1),)
 
 
 def apply_functional(grads, needs_input_grad, indices, self_options, self_sym_sizes):
@@ -55,10 +55,12 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
+    meta0 = _state.input_meta(nf, ranges[0])
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         list(node._saved_indices),
-        _state.options_of(_state.input_meta(node, ranges[0])),
+        _state.options_of(meta0),
         _state.signed(node._saved_self_sym_sizes),
     ]

@@ -16,7 +16,7 @@ INPUTS = ("grad_output",)
 SAVED = ("output_size", "scales_h", "scales_w")
 SCHEMA = ("SymInt[]", "float?", "float?")
 TRANSLATED = True
-_INPUT_IS_LIST = (False,)
+_RANGES = (range(0, 1),)
 
 
 def apply_functional(grads, needs_input_grad, output_size, scales_h, scales_w):
@@ -50,9 +50,10 @@ def get_state(node, should_compute=None):
     ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
     backward pass will execute, like the engine's exec_info.
     """
-    ranges = _state.input_ranges(node, _INPUT_IS_LIST)
+    nf = node.next_functions
+    ranges = _RANGES
     return [
-        _state.needs_input_grad(node, ranges, should_compute),
+        _state.needs_input_grad(nf, ranges, should_compute),
         _state.signed(node._saved_output_size),
         node._saved_scales_h,
         node._saved_scales_w,

@@ -15,13 +15,12 @@ import torch
 from .types import TensorGeometry, TensorOptions, TypeAndSize
 
 
-def input_ranges(node, is_list: Sequence[bool]) -> list[range]:
+def input_ranges(n_edges: int, is_list: Sequence[bool]) -> list[range]:
     """Edge ranges (into ``node.next_functions``) of each differentiable input.
 
     A ``Tensor[]`` input covers several edges; when there are several list inputs (foreach
     ops) the remaining edges are split evenly between them, as their lists have equal length.
     """
-    n_edges = len(node.next_functions)
     n_lists = sum(is_list)
     n_single = len(is_list) - n_lists
     list_len = (n_edges - n_single) // n_lists if n_lists else 0
@@ -33,17 +32,24 @@ def input_ranges(node, is_list: Sequence[bool]) -> list[range]:
     return out
 
 
-def needs_input_grad(node, ranges: Sequence[range], should_compute: Callable[[int], bool] | None = None) -> tuple[bool, ...]:
-    """One bool per input: some edge of it is valid (and ``should_compute(edge)`` holds)."""
-    nf = node.next_functions
-    return tuple(
-        any(nf[j][0] is not None and (should_compute is None or should_compute(j)) for j in r) for r in ranges
-    )
+def needs_input_grad(nf, ranges: Sequence[range], should_compute: Callable[[int], bool] | None = None) -> tuple[bool, ...]:
+    """One bool per input: some edge of it (in ``nf = node.next_functions``) is valid and, when
+    ``should_compute`` is given, ``should_compute(edge)`` holds."""
+    out = []
+    for r in ranges:
+        ok = False
+        for j in r:
+            if nf[j][0] is not None and (should_compute is None or should_compute(j)):
+                ok = True
+                break
+        out.append(ok)
+    return tuple(out)
 
 
-def input_meta(node, r: range):
-    """The input metadata of a single-edge input, or None when the edge is invalid."""
-    fn, nr = node.next_functions[r.start]
+def input_meta(nf, r: range):
+    """The input metadata of a single-edge input (``nf = node.next_functions``), or None when the
+    edge is invalid."""
+    fn, nr = nf[r.start]
     if fn is None:
         return None
     return fn._input_metadata[nr]
@@ -82,10 +88,10 @@ def type_and_size_of(meta) -> TypeAndSize | None:
     return TypeAndSize(tuple(meta.shape), TensorOptions(meta.dtype, meta.device, torch.strided))
 
 
-def geometry_of(node, r: range) -> TensorGeometry | None:
+def geometry_of(node, nf, r: range) -> TensorGeometry | None:
     """Sizes/strides/offset of an input, read from the leaf behind its edge (None if the edge is
     invalid); torch exposes no strides for non-leaf inputs, so those raise NotImplementedError."""
-    fn, _ = node.next_functions[r.start]
+    fn, _ = nf[r.start]
     if fn is None:
         return None
     var = getattr(fn, "variable", None)
@@ -97,22 +103,22 @@ def geometry_of(node, r: range) -> TensorGeometry | None:
     return TensorGeometry.of(var)
 
 
-def list_dtypes(node, r: range) -> list:
+def list_dtypes(node, nf, r: range) -> list:
     """dtype of each tensor of a ``Tensor[]`` input. Where an edge is invalid (that tensor needs no
     grad, so the engine drops whatever is computed for it) the output's dtype stands in."""
     out_dtype = node._input_metadata[0].dtype
-    dts = [dtype_of(input_meta(node, range(j, j + 1))) for j in r]
+    dts = [dtype_of(input_meta(nf, range(j, j + 1))) for j in r]
     return [out_dtype if d is None else d for d in dts]
 
 
-def list_sizes(node, r: range, cat_dim: int | None = None) -> list:
+def list_sizes(node, nf, r: range, cat_dim: int | None = None) -> list:
     """Shape of each tensor of a ``Tensor[]`` input, from the edges' metadata.
 
     For ``cat`` (``cat_dim`` given) one tensor that needs no grad is recovered from the output
     shape: same sizes except along ``cat_dim``, where it takes what the others leave. Raises
     NotImplementedError when a size stays unknown.
     """
-    sizes = [input_meta(node, range(j, j + 1)) for j in r]
+    sizes = [input_meta(nf, range(j, j + 1)) for j in r]
     sizes = [None if m is None else tuple(m.shape) for m in sizes]
     missing = [k for k, s in enumerate(sizes) if s is None]
     if len(missing) == 1 and cat_dim is not None:
@@ -156,14 +162,18 @@ def copy_range(grad_inputs: list, r: range, value) -> None:
 
 
 _U64 = 1 << 64
+_I63 = 1 << 63
 
 
 def signed(value):
-    """Undo torch's unsigned conversion of saved int64 values (``-1`` reads as ``2**64 - 1``)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value - _U64 if value >= (1 << 63) else value
-    if isinstance(value, tuple):
-        return tuple(signed(v) for v in value)
-    if isinstance(value, list):
-        return [signed(v) for v in value]
+    """Undo torch's unsigned conversion of saved int64 values (``-1`` reads as ``2**64 - 1``).
+
+    Takes an int, a tuple/list of ints (SymInts pass through), or None."""
+    t = type(value)
+    if t is int:
+        return value - _U64 if value >= _I63 else value
+    if t is tuple or t is list:
+        for v in value:
+            if type(v) is int and v >= _I63:
+                return t(signed(x) for x in value)
     return value
