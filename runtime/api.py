@@ -95,10 +95,7 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
 
     check_t = hooks.any_tensor_hooks()
     check_n = hooks.any_node_hooks()
-    nodes, metas, hooked, key = engine.collect(root_edges, check_t, check_n)
-    index = {}
-    for i, n in enumerate(nodes):
-        index[n] = i
+    nodes, metas, hooked, key, index = engine.walk(root_edges, check_t, check_n)
     root_idx = tuple((index[n], nr) for n, nr in root_edges)
     targets = None
     if targets_edges is not None:

@@ -49,6 +49,9 @@ _BackwardCFunction = torch.autograd.function.BackwardCFunction
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _dtype = torch.dtype
+_Size = torch.Size
+# saved values flatten() puts into S as they are (hashable constants of the graph)
+_CONST_TYPES = frozenset({bool, float, torch.dtype, torch.layout, torch.device, torch.memory_format})
 _TMARK = capture._T
 
 
@@ -58,6 +61,11 @@ _TMARK = capture._T
 
 def collect(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
     """Breadth-first walk from ``root_edges``; returns (nodes, metas, hooks, key)."""
+    return walk(root_edges, check_tensor_hooks, check_node_hooks)[:4]
+
+
+def walk(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
+    """:func:`collect`, also returning the node -> index dict: (nodes, metas, hooks, key, index)."""
     nodes = []
     index = {}
     for n, _ in root_edges:
@@ -67,22 +75,27 @@ def collect(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
     key = []
     metas = []
     hooked = None
+    index_get = index.get
+    add_node = nodes.append
+    add_meta = metas.append
+    add_key = key.append
     i = 0
-    while i < len(nodes):
+    while i < len(nodes):  # nodes grows while walking
         n = nodes[i]
         md = n._input_metadata
-        metas.append(md)
+        add_meta(md)
         edges = []
+        add_edge = edges.append
         for m, nr in n.next_functions:
             if m is None:
-                edges.append(None)
+                add_edge(None)
             else:
-                j = index.get(m)
+                j = index_get(m)
                 if j is None:
                     j = index[m] = len(nodes)
-                    nodes.append(m)
-                edges.append((j, nr))
-        key.append((type(n), len(md), tuple(edges)))
+                    add_node(m)
+                add_edge((j, nr))
+        add_key((type(n), len(md), tuple(edges)))
         i += 1
     if check_tensor_hooks or check_node_hooks:
         hooked = {}
@@ -96,7 +109,7 @@ def collect(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
             h = hooks.node_hooks(n, check_tensor_hooks, check_node_hooks)
             if h:
                 hooked[i] = h
-    return nodes, metas, hooked, tuple(key)
+    return nodes, metas, hooked, tuple(key), index
 
 
 # ------------------------------------------------------------------------------------------
@@ -106,7 +119,7 @@ def collect(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
 class NodeInfo:
     __slots__ = (
         "cls", "name", "module", "is_acc", "pyfunc", "live", "num_inputs", "edges", "sc",
-        "in_slots", "out", "n_saved", "sym_flags", "saved_names",
+        "in_slots", "out", "n_saved", "sym_flags", "saved_names", "sc_get",
     )
 
     def __init__(self, cls, num_inputs, edges):
@@ -119,6 +132,7 @@ class NodeInfo:
         self.module = None
         self.live = None  # None: traced; else (mode, reason), mode "node" | "module"
         self.sc = None  # should_compute mask (tuple) or None when every valid edge is needed
+        self.sc_get = None  # sc.__getitem__ (the should_compute argument of get_state) or None
         self.in_slots = ()  # per input: slot or None
         self.out = ()  # needed edges: (edge index, slot, dest, input_nr)
         self.n_saved = 0
@@ -159,6 +173,7 @@ class Plan:
         self.eager_reason = None  # whole call must go to torch.autograd
         self.hooked: dict = {}
         self.n_breaks = 0
+        self.root_edges: list = []  # per root slot: (node index, input_nr)
 
 
 def _module_for(info: NodeInfo):
@@ -250,6 +265,7 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
 
     for (ri, nr) in root_edges_idx:
         p.root_slots.append(slot(ri, nr))
+        p.root_edges.append((ri, nr))
     producers: dict = {}
     for i in range(N):
         info = infos[i]
@@ -267,6 +283,7 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
         info.out = tuple(out)
         valid = [e is not None for e in info.edges]
         info.sc = None if mask == valid else tuple(mask)
+        info.sc_get = None if info.sc is None else info.sc.__getitem__
     for i in range(N):
         infos[i].in_slots = tuple(slot_of.get((i, k)) for k in range(infos[i].num_inputs))
     p.nslots = len(slot_of)
@@ -375,8 +392,92 @@ class _NodeTraceError(Exception):
         self.exc = exc
 
 
+_IMARKS: dict = {}  # n -> (capture._I,) * n
+
+
 def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False):
-    """Flatten a region's inputs: (S tuple, T list, I list, tid, labels_T, labels_I)."""
+    """Flatten a region's inputs: (S tuple, T list, I list, tid, labels_T, labels_I).
+
+    The labels (names of T and I entries, for miss reasons and explain) come only from the slow
+    path; the cache-hit path below inlines :func:`vjpgen.runtime.capture.flatten` for the common
+    saved values (tensors, scalars, sequences of ints) and produces the same encoding."""
+    if labels:
+        return _gather_labeled(region, plan, nodes, metas, buf, True)
+    T: list = []
+    tid: dict = {}
+    I: list = []
+    S: list = []
+    flatten = capture.flatten
+    add_s = S.append
+    ext_s = S.extend
+    add_t = T.append
+    ext_i = I.extend
+    tget = tid.get
+    seq = capture._SEQ
+    imark = capture._I
+    for s in region.in_slots:
+        g = buf[s]
+        if g is None:
+            add_s(None)
+        else:
+            flatten(g, False, T, tid, I, S)
+    infos = plan.infos
+    for i in region.nodes:
+        info = infos[i]
+        try:
+            state = info.module.get_state(nodes[i], info.sc_get)
+        except Exception as e:
+            raise _NodeTraceError(i, e) from e
+        if len(state) - 1 != info.n_saved:
+            raise RuntimeError(
+                f"vjpgen: {info.name}.get_state returned {len(state) - 1} saved values, SCHEMA has {info.n_saved}"
+            )
+        it = iter(state)
+        add_s(tuple(next(it)))
+        for v, sym in zip(it, info.sym_flags):
+            tp = type(v)
+            if tp is _Tensor or tp is _Parameter:  # most saved values are tensors
+                k = id(v)
+                p_ = tget(k)
+                if p_ is None:
+                    p_ = tid[k] = len(T)
+                    add_t(v)
+                add_s(_TMARK)
+                add_s(p_)
+            elif v is None or tp in _CONST_TYPES or (tp is int and not sym):
+                add_s(v)
+            elif tp is tuple or tp is list or tp is _Size:
+                for x in v:
+                    if type(x) is not int:
+                        flatten(v, sym, T, tid, I, S)
+                        break
+                else:  # a sequence of plain ints: sizes (dynamic-eligible when sym) or constants
+                    n = len(v)
+                    add_s(seq)
+                    add_s(tp)
+                    add_s(n)
+                    if sym:
+                        mk = _IMARKS.get(n)
+                        if mk is None:
+                            mk = _IMARKS[n] = (imark,) * n
+                        ext_s(mk)
+                        ext_i(v)
+                    else:
+                        ext_s(v)
+            else:
+                flatten(v, sym, T, tid, I, S)
+        for (_, _, d, nr) in info.out:
+            m = metas[d][nr]
+            shape = m.shape
+            add_s(m.dtype)
+            add_s(m.device)
+            add_s(len(shape))
+            ext_i(shape)
+    return tuple(S), T, I, tid, None, None
+
+
+def _gather_labeled(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False):
+    """:func:`_gather` (also in the slow, general way when ``labels``), naming every tensor and int."""
     T: list = []
     tid: dict = {}
     I: list = []
@@ -682,22 +783,17 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
     buf = [None] * plan.nslots
     infos = plan.infos
     # the root grads are validated against the root edges (engine::execute)
-    for (s, g), (ri, nr) in zip(zip(plan.root_slots, root_grads), _root_edges_of(plan)):
+    for (s, g), (ri, nr) in zip(zip(plan.root_slots, root_grads), plan.root_edges):
         m = metas[ri][nr]
         g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
         ctx.protected.add(id(g))
         buf[s] = g if buf[s] is None else buf[s] + g
-    for step in list(plan.steps):
-        if isinstance(step, Region):
+    for step in list(plan.steps):  # a graph break found now re-partitions plan.steps
+        if type(step) is Region:
             _run_region(step, plan, nodes, metas, buf, ctx)
         else:
             _run_live(step.node, plan, nodes, metas, buf, ctx)
     return buf
-
-
-def _root_edges_of(plan: Plan):
-    inv = {s: k for k, s in plan.slot_of.items()}
-    return [inv[s] for s in plan.root_slots]
 
 
 # ------------------------------------------------------------------------------------------
@@ -719,6 +815,9 @@ def _non_overlapping_and_dense(t) -> bool:
 def _obeys_layout_contract(grad, var) -> bool:
     if var.is_sparse or grad.is_sparse or var.is_nested:
         return False
+    gst = grad.stride()
+    if gst == var.stride() and grad.shape == var.shape and 0 not in gst and var.is_contiguous():
+        return True  # the common case: same strides, no broadcast (stride 0) dims
     if _non_overlapping_and_dense(var):
         gs, gst, vst = grad.shape, grad.stride(), var.stride()
         for k in range(len(gs)):

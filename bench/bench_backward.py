@@ -1,0 +1,767 @@
+"""Backward benchmarks, side by side in one run: eager autograd, vjpgen (Inductor), PyTorch's compiled
+autograd (Inductor) and torch.compile of the whole training step; the matmul floor; peak backward
+memory; first-step (compile) time; vjpgen's cache-hit overhead per node.
+
+    python bench/bench_backward.py [--models mlp,cnn,transformer,encoder6] [--quick]
+
+Method (stated again in the results file):
+
+* Steady state: every method backwards a graph of the same batch with ``retain_graph=True``
+  (grads set to None before each call, as ``optimizer.zero_grad()``), timed by
+  ``torch.utils.benchmark.Timer.blocked_autorange`` after a warm-up. The methods are timed in
+  interleaved rounds (each round times every method once) so machine noise hits all alike; the
+  reported value is the median over all blocks of all rounds.
+* eager / vjpgen / compiled autograd take the graph of an eager forward; torch.compile backwards the
+  graph of its compiled forward (AOTAutograd's joint graph partitioned into a compiled backward).
+  Compiled autograd and Inductor run with static shapes (``dynamic=False``), as vjpgen's first
+  compile does.
+* First step: wall time of the first backward (vjpgen, compiled autograd: trace + Inductor
+  compile of the backward) or of the first forward + backward (torch.compile: both graphs). Each
+  bench run uses a fresh, empty ``TORCHINDUCTOR_CACHE_DIR``; vjpgen compiles first in every model,
+  so later methods may reuse identical C++ kernels it compiled (never the other way round).
+* Peak memory: bytes allocated by torch's allocator during one backward (no retain_graph) above
+  the level at its start, from ``torch.profiler`` memory events (profile_memory=True), which see
+  Inductor's buffers too; the forward runs inside the profile so frees of saved activations count.
+  On CUDA ``torch.cuda.max_memory_allocated``.
+* Matmul floor: the mm/bmm/addmm/baddbmm calls that eager's backward makes (recorded with a
+  TorchDispatchMode), replayed alone on fresh tensors of the same sizes, strides and dtypes.
+  "+ extern" adds the library kernels no compiler fuses (convolution_backward, SDPA backward).
+* Overhead: a chain of cheap ops on 4-element tensors (~100, 1,000, 10,000 nodes), cache-hit
+  ``vjpgen.runtime.backward`` with a backend whose compiled function does no math (it returns the
+  outputs of its first call), so the time is the walk, get_state, guard check and sinks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # cold Inductor caches for first-step times
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="vjpgen-bench-inductor-")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils import benchmark  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import vjpgen.runtime as rt  # noqa: E402
+from vjpgen.runtime import demo, hooks as rt_hooks  # noqa: E402
+
+METHODS = ["eager", "vjpgen", "compiled autograd", "torch.compile"]
+
+# ------------------------------------------------------------------------------------------
+# models: the three demo models and a 6-layer transformer encoder
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.ff1 = nn.Linear(dim, 4 * dim)
+        self.ff2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        D = q.shape[-1] // self.heads
+        q, k, v = (t.reshape(B, L, self.heads, D).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, L, -1))
+        return x + self.ff2(F.gelu(self.ff1(self.ln2(x))))
+
+
+class Encoder(nn.Module):
+    def __init__(self, layers=6, vocab=512, dim=192, heads=6, seq=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.emb(tokens) + self.pos[: tokens.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+ENC = dict(layers=6, vocab=512, dim=192, heads=6, seq=64, batch=8)
+
+
+def make_encoder6(device="cpu"):
+    torch.manual_seed(0)
+    cfg = ENC
+    model = Encoder(cfg["layers"], cfg["vocab"], cfg["dim"], cfg["heads"], cfg["seq"]).to(device)
+
+    def batch(step, bs=cfg["batch"]):
+        g = torch.Generator().manual_seed(step)
+        t = torch.randint(0, cfg["vocab"], (bs, cfg["seq"]), generator=g).to(device)
+        return t, torch.roll(t, -1, dims=1)
+
+    def loss(m, tokens, targets):
+        logits = m(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return model, batch, loss
+
+
+MODELS = dict(demo.MODELS)
+MODELS["encoder6"] = make_encoder6
+
+# ------------------------------------------------------------------------------------------
+# timing helpers
+
+
+def _sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timer(fn, threads):
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+
+
+def interleaved(fns: dict, threads: int, rounds: int, min_run_time: float, ctx: dict | None = None):
+    """Time each fn in ``rounds`` interleaved rounds; returns {name: (median_s, n_blocks)}."""
+    ctx = ctx or {}
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            cm = ctx.get(k)
+            if cm is not None:
+                with cm():
+                    m = timer(fn, threads).blocked_autorange(min_run_time=min_run_time)
+            else:
+                m = timer(fn, threads).blocked_autorange(min_run_time=min_run_time)
+            times[k].extend(m.times)
+    return {k: (statistics.median(v), len(v)) for k, v in times.items()}
+
+
+def zero(params):
+    for p in params:
+        p.grad = None
+
+
+# ------------------------------------------------------------------------------------------
+# peak memory of one backward
+
+
+_MARK_BYTES = 12347 * 4  # a marker allocation of a size nothing else uses
+
+
+def peak_backward_bytes(forward, backward, device, ctx=None):
+    """Bytes allocated above the level at the start of ``backward(forward())``'s backward."""
+    import contextlib
+
+    cm = ctx() if ctx is not None else contextlib.nullcontext()
+    if device.startswith("cuda"):
+        with cm:
+            loss = forward()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            backward(loss)
+            torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with cm:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = forward()
+            mark = torch.empty(_MARK_BYTES // 4, dtype=torch.float32)
+            backward(loss)
+            del mark
+    evs = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    level = 0
+    base = None
+    peak = 0
+    for _, nb in evs:
+        if base is None:
+            level += nb
+            if nb == _MARK_BYTES:
+                base = level
+                peak = level
+            continue
+        level += nb
+        if nb == -_MARK_BYTES:
+            break
+        peak = max(peak, level)
+    if base is None:
+        return float("nan")
+    return peak - base
+
+
+# ------------------------------------------------------------------------------------------
+# matmul floor
+
+
+MATMUL_OPS = {"mm", "bmm", "addmm", "baddbmm"}
+EXTERN_OPS = {
+    "convolution_backward",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+    "mkldnn_convolution",
+}
+
+
+class _Record(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in MATMUL_OPS or name in EXTERN_OPS:
+            self.calls.append((func, name, _describe(args), _describe(kwargs)))
+        return func(*args, **kwargs)
+
+
+def _describe(x):
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.storage_offset())
+    if isinstance(x, (list, tuple)):
+        return type(x)(_describe(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _describe(v) for k, v in x.items()}
+    return x
+
+
+def _materialize(d):
+    if isinstance(d, tuple) and len(d) == 6 and d[0] == "T":
+        _, shape, stride, dtype, device, off = d
+        n = off + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) if all(shape) else off + 1
+        base = torch.empty(n, dtype=dtype, device=device)
+        if dtype.is_floating_point:
+            base.normal_(0, 0.1)
+        else:
+            base.zero_()
+        return base.as_strided(shape, stride, off)
+    if isinstance(d, (list, tuple)):
+        return type(d)(_materialize(v) for v in d)
+    if isinstance(d, dict):
+        return {k: _materialize(v) for k, v in d.items()}
+    return d
+
+
+def record_floor_calls(loss, params):
+    zero(params)
+    rec = _Record()
+    with rec:
+        loss.backward(retain_graph=True)
+    zero(params)
+    return rec.calls
+
+
+def replay_fn(calls, names):
+    prepared = [(f, _materialize(a), _materialize(k)) for f, n, a, k in calls if n in names]
+
+    def run():
+        for f, a, k in prepared:
+            f(*a, **k)
+
+    return run, len(prepared)
+
+
+# ------------------------------------------------------------------------------------------
+# one model
+
+
+def compiled_autograd_ctx():
+    from torch._dynamo import compiled_autograd
+
+    def compiler_fn(gm):
+        return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+
+    return compiled_autograd._enable(compiler_fn, dynamic=False)
+
+
+def bench_model(name, device, threads, rounds, min_run_time, log):
+    base, batch, loss_fn = MODELS[name](device)
+    base.train()
+    # one copy of the model per method: a forward of one (batch norm's running stats update in
+    # place) must not invalidate another's retained graph
+    models = {m: copy.deepcopy(base) for m in METHODS}
+    params = {m: [p for p in models[m].parameters() if p.requires_grad] for m in METHODS}
+    args = batch(0)
+
+    def fwd_of(m):
+        def fwd():
+            torch.manual_seed(1)  # same dropout mask for every eager forward
+            return loss_fn(models[m], *args)
+
+        return fwd
+
+    def diff(m):
+        return max(float((p.grad - r).abs().max()) for p, r in zip(params[m], ref))
+
+    res = {"model": name, "params": sum(p.numel() for p in params["eager"])}
+    first = {}
+    torch._dynamo.reset()
+    rt.clear_cache()
+    rt.reset_stats()
+
+    # eager reference grads
+    loss_e = fwd_of("eager")()
+    zero(params["eager"])
+    loss_e.backward(retain_graph=True)
+    ref = [p.grad.clone() for p in params["eager"]]
+    zero(params["eager"])
+    res["n_nodes"] = _count_nodes(loss_e.grad_fn)
+
+    # each compiler's first step runs with empty Inductor caches (on disk and in memory)
+    from torch._inductor.utils import fresh_cache
+
+    def cold():
+        return fresh_cache(dir=tempfile.mkdtemp(prefix="inductor-", dir=os.environ["TORCHINDUCTOR_CACHE_DIR"]),
+                           delete=False)
+
+    # vjpgen
+    loss_v = fwd_of("vjpgen")()
+    with cold():
+        _sync(device)
+        t0 = time.perf_counter()
+        rt.backward(loss_v, retain_graph=True, backend="inductor")
+        _sync(device)
+        first["vjpgen"] = time.perf_counter() - t0
+    res["vjpgen_max_diff"] = diff("vjpgen")
+    s = rt.stats()
+    res["vjpgen_breaks"] = s["graph_breaks"]
+    res["vjpgen_compiles"] = s["compiles"]
+    log(f"  [{name}] vjpgen first backward {first['vjpgen']:.1f}s "
+        f"(max |grad diff| {res['vjpgen_max_diff']:.1e}, {s['graph_breaks']} breaks)")
+
+    # PyTorch compiled autograd over the eager forward
+    loss_c = fwd_of("compiled autograd")()
+    try:
+        with cold(), compiled_autograd_ctx():
+            _sync(device)
+            t0 = time.perf_counter()
+            loss_c.backward(retain_graph=True)
+            _sync(device)
+            first["compiled autograd"] = time.perf_counter() - t0
+        res["ca_max_diff"] = diff("compiled autograd")
+        log(f"  [{name}] compiled autograd first backward {first['compiled autograd']:.1f}s")
+    except Exception as e:  # pragma: no cover - reported, not fatal
+        log(f"  [{name}] compiled autograd failed: {type(e).__name__}: {str(e)[:200]}")
+        first["compiled autograd"] = None
+
+    # torch.compile of the whole step (forward + AOTAutograd compiled backward)
+    tc_model = models["torch.compile"]
+    cfwd = torch.compile(lambda: loss_fn(tc_model, *args), backend="inductor", dynamic=False)
+
+    def tc_fwd():
+        torch.manual_seed(1)
+        return cfwd()
+
+    try:
+        with cold():
+            _sync(device)
+            t0 = time.perf_counter()
+            loss_t = tc_fwd()
+            loss_t.backward(retain_graph=True)
+            _sync(device)
+            first["torch.compile"] = time.perf_counter() - t0
+        res["tc_max_diff"] = diff("torch.compile")
+        log(f"  [{name}] torch.compile first step {first['torch.compile']:.1f}s")
+    except Exception as e:  # pragma: no cover
+        log(f"  [{name}] torch.compile failed: {type(e).__name__}: {str(e)[:200]}")
+        first["torch.compile"] = None
+    res["first_step_s"] = first
+    res["tensor_hooks_seen"] = bool(rt_hooks.any_tensor_hooks())
+
+    # steady state
+    pe, pv, pc, pt = (params[m] for m in METHODS)
+
+    def b_eager():
+        zero(pe)
+        loss_e.backward(retain_graph=True)
+
+    def b_vjpgen():
+        zero(pv)
+        rt.backward(loss_v, retain_graph=True, backend="inductor")
+
+    def b_ca():
+        zero(pc)
+        loss_c.backward(retain_graph=True)
+
+    def b_tc():
+        zero(pt)
+        loss_t.backward(retain_graph=True)
+
+    calls = record_floor_calls(loss_e, pe)
+    f_mm, n_mm = replay_fn(calls, MATMUL_OPS)
+    f_ext, n_ext = replay_fn(calls, MATMUL_OPS | EXTERN_OPS)
+    res["floor_calls"] = {"matmul": n_mm, "matmul+extern": n_ext}
+
+    fns = {"eager": b_eager, "vjpgen": b_vjpgen}
+    ctx = {}
+    if first.get("compiled autograd") is not None:
+        fns["compiled autograd"] = b_ca
+        ctx["compiled autograd"] = compiled_autograd_ctx
+    if first.get("torch.compile") is not None:
+        fns["torch.compile"] = b_tc
+    fns["matmul floor"] = f_mm
+    fns["matmul+extern floor"] = f_ext
+    for k, f in fns.items():  # warm-up
+        cm = ctx.get(k)
+        for _ in range(3):
+            if cm is not None:
+                with cm():
+                    f()
+            else:
+                f()
+    _sync(device)
+    hits0 = rt.stats()["cache_hits"]
+    t = interleaved(fns, threads, rounds, min_run_time, ctx)
+    s = rt.stats()
+    res["vjpgen_recompiles"] = s["recompiles"]
+    res["vjpgen_cache_hits"] = s["cache_hits"] - hits0
+    res["steady_ms"] = {k: v[0] * 1e3 for k, v in t.items()}
+    res["blocks"] = {k: v[1] for k, v in t.items()}
+    log("  [" + name + "] " + ", ".join(f"{k} {v[0] * 1e3:.2f} ms" for k, v in t.items()))
+
+    # peak memory during one backward (fresh graph, no retain_graph)
+    mem = {}
+    mem["eager"] = peak_backward_bytes(fwd_of("eager"), lambda l: (zero(pe), l.backward()), device)
+    mem["vjpgen"] = peak_backward_bytes(
+        fwd_of("vjpgen"), lambda l: (zero(pv), rt.backward(l, backend="inductor")), device
+    )
+    if "compiled autograd" in fns:
+        mem["compiled autograd"] = peak_backward_bytes(
+            fwd_of("compiled autograd"), lambda l: (zero(pc), l.backward()), device, compiled_autograd_ctx
+        )
+    if "torch.compile" in fns:
+        mem["torch.compile"] = peak_backward_bytes(tc_fwd, lambda l: (zero(pt), l.backward()), device)
+    res["peak_mem_bytes"] = mem
+    s = rt.stats()
+    res["vjpgen_recompiles_total"] = s["recompiles"]
+    del loss_e, loss_v, loss_c
+    return res
+
+
+def warm_up_inductor(device):
+    """Pay Inductor's one-time costs (imports, compiler probing) before any first-step timing."""
+    x = torch.randn(8, device=device, requires_grad=True)
+    f = torch.compile(lambda t: (t.sin() * 2).sum(), backend="inductor", dynamic=False)
+    f(x).backward()
+    torch._dynamo.reset()
+
+
+def _count_nodes(root):
+    seen = {root}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for m, _ in n.next_functions:
+            if m is not None and m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return len(seen)
+
+
+# ------------------------------------------------------------------------------------------
+# cache-hit overhead per node
+
+
+class NoMath:
+    """A backend whose compiled function does no math: it returns its first call's outputs."""
+
+    def __init__(self):
+        self.kernel_s = 0.0
+
+    def __call__(self, gm, fake_args):
+        cached = []
+
+        def fn(*args):
+            if not cached:
+                cached.append(gm(*args))
+            return cached[0]
+
+        return fn
+
+
+def chain(n, device):
+    x = torch.randn(4, device=device, requires_grad=True)
+    c = torch.randn(4, device=device)
+    y = x
+    for i in range(n):
+        k = i % 3
+        y = y.sin() if k == 0 else (y * c if k == 1 else y + 1.0)
+    return x, y.sum()
+
+
+def bench_overhead(sizes, device, threads, min_run_time, log):
+    out = []
+    for n in sizes:
+        x, loss = chain(n - 2, device)  # + SumBackward0 + AccumulateGrad
+        nodes = _count_nodes(loss.grad_fn)
+        backend = NoMath()
+        rt.clear_cache()
+        rt.reset_stats()
+        t0 = time.perf_counter()
+        rt.backward(loss, retain_graph=True, backend=backend)
+        first = time.perf_counter() - t0
+
+        def hit():
+            x.grad = None
+            rt.backward(loss, retain_graph=True, backend=backend)
+
+        def eager():
+            x.grad = None
+            loss.backward(retain_graph=True)
+
+        for _ in range(3):
+            hit()
+            eager()
+        hits0 = rt.stats()["cache_hits"]
+        t = interleaved({"hit": hit, "eager": eager}, threads, 3, min_run_time)
+        s = rt.stats()
+        row = {
+            "nodes": nodes,
+            "first_call_s": first,
+            "hit_s": t["hit"][0],
+            "per_node_us": t["hit"][0] / nodes * 1e6,
+            "eager_s": t["eager"][0],
+            "eager_per_node_us": t["eager"][0] / nodes * 1e6,
+            "cache_hits": s["cache_hits"] - hits0,
+            "misses_after_first": s["cache_misses"] - 1,
+        }
+        out.append(row)
+        log(f"  [overhead] {nodes} nodes: cache hit {row['hit_s'] * 1e3:.2f} ms = "
+            f"{row['per_node_us']:.2f} us/node (eager autograd incl. kernels {row['eager_per_node_us']:.2f} "
+            f"us/node; first call {first:.1f}s)")
+        rt.clear_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# report
+
+
+def fmt_bytes(b):
+    if b != b:
+        return "n/a"
+    if abs(b) < 2**20:
+        return f"{b / 2**10:.1f} KiB"
+    return f"{b / 2**20:.2f} MiB"
+
+
+def model_table(results):
+    hdr = ("| model | nodes | eager ms | vjpgen | compiled autograd | torch.compile | matmul floor | "
+           "matmul+extern floor |")
+    lines = [hdr, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        st = r["steady_ms"]
+        e = st["eager"]
+
+        def c(k):
+            if k not in st:
+                return "failed"
+            return f"{st[k]:.2f} ms ({st[k] / e:.2f}×)"
+
+        lines.append(
+            f"| {r['model']} | {r['n_nodes']} | {e:.2f} | {c('vjpgen')} | {c('compiled autograd')} | "
+            f"{c('torch.compile')} | {c('matmul floor')} | {c('matmul+extern floor')} |"
+        )
+    return "\n".join(lines)
+
+
+def first_table(results):
+    lines = ["| model | vjpgen first backward | compiled autograd first backward | torch.compile first fwd+bwd |",
+             "| --- | ---: | ---: | ---: |"]
+    for r in results:
+        f = r["first_step_s"]
+
+        def c(k):
+            return "failed" if f.get(k) is None else f"{f[k]:.1f} s"
+
+        lines.append(f"| {r['model']} | {c('vjpgen')} | {c('compiled autograd')} | {c('torch.compile')} |")
+    return "\n".join(lines)
+
+
+def mem_table(results):
+    lines = ["| model | eager | vjpgen | compiled autograd | torch.compile |", "| --- | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        m = r["peak_mem_bytes"]
+        e = m["eager"]
+
+        def c(k):
+            if k not in m:
+                return "failed"
+            return f"{fmt_bytes(m[k])} ({m[k] / e:.2f}×)" if e else fmt_bytes(m[k])
+
+        lines.append(f"| {r['model']} | {fmt_bytes(e)} | {c('vjpgen')} | {c('compiled autograd')} | {c('torch.compile')} |")
+    return "\n".join(lines)
+
+
+def overhead_table(rows):
+    lines = ["| nodes | cache-hit call (no math) | per node | eager autograd (with kernels) per node |",
+             "| ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['nodes']} | {r['hit_s'] * 1e3:.2f} ms | {r['per_node_us']:.2f} µs | "
+                     f"{r['eager_per_node_us']:.2f} µs |")
+    return "\n".join(lines)
+
+
+def growth(rows):
+    """Least-squares slope (µs/node) and intercept (µs) of hit time against nodes."""
+    xs = [r["nodes"] for r in rows]
+    ys = [r["hit_s"] * 1e6 for r in rows]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else float("nan")
+    return slope, my - slope * mx
+
+
+def plot(results, path, device):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart (pip install -e '.[bench]')")
+        return False
+    keys = ["vjpgen", "compiled autograd", "torch.compile", "matmul floor"]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    w = 0.2
+    for k_i, k in enumerate(keys):
+        vals = [r["steady_ms"].get(k, float("nan")) / r["steady_ms"]["eager"] for r in results]
+        xs = [i + (k_i - 1.5) * w for i in range(len(results))]
+        bars = ax.bar(xs, vals, w, label=k)
+        for b, v in zip(bars, vals):
+            if v == v:
+                ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="eager")
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels([f"{r['model']}\n(eager {r['steady_ms']['eager']:.1f} ms)" for r in results])
+    ax.set_ylabel("backward time / eager (lower is better)")
+    ax.set_title(f"Steady-state backward per step, {device}, torch {torch.__version__}, "
+                 f"{torch.get_num_threads()} threads", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="mlp,cnn,transformer,encoder6")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch (and Inductor/OpenMP) threads; default 1: on a shared machine OpenMP "
+                    "barriers of 2+ threads spin against other processes and times jump 10-100x")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--min-run-time", type=float, default=0.4, help="seconds per method per round")
+    ap.add_argument("--overhead-sizes", default="100,1000,10000")
+    ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-models", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA table even when a GPU is present")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)  # before any compile: Inductor sizes its OpenMP loops by it
+    t_start = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t_start:6.0f}s] {msg}", flush=True)
+
+    env = (f"torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}, "
+           f"{os.cpu_count()} CPUs (shared with other work), torch threads {torch.get_num_threads()}")
+    log("bench-backward: " + env)
+    out = {"env": env, "cpu": {}, "cuda": None}
+    warm_up_inductor(a.device)
+    log("Inductor warmed up (imports, first C++ compile) outside every measurement")
+    if not a.skip_models:
+        res = []
+        for name in a.models.split(","):
+            log(f"model {name}")
+            res.append(bench_model(name, a.device, a.threads, a.rounds, a.min_run_time, log))
+        out["cpu"]["models"] = res
+    if not a.skip_overhead:
+        sizes = [int(s) for s in a.overhead_sizes.split(",")]
+        out["cpu"]["overhead"] = bench_overhead(sizes, a.device, a.threads, a.min_run_time, log)
+    if torch.cuda.is_available() and not a.no_cuda:
+        log("CUDA: " + torch.cuda.get_device_name())
+        res = []
+        for name in a.models.split(","):
+            log(f"model {name} (cuda)")
+            res.append(bench_model(name, "cuda", a.threads, a.rounds, a.min_run_time, log))
+        out["cuda"] = {"device": torch.cuda.get_device_name(), "models": res}
+    else:
+        log("CUDA: skipped (torch.cuda.is_available() is False)")
+
+    outdir = Path(a.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "backward.json").write_text(json.dumps(out, indent=1, default=str))
+    text = render(out, a, argv)
+    (outdir / "backward.md").write_text(text)
+    print("\n" + text)
+    if out["cpu"].get("models"):
+        if plot(out["cpu"]["models"], outdir / "backward.png", a.device):
+            log(f"wrote {outdir / 'backward.png'}")
+    log(f"wrote {outdir / 'backward.md'} ({time.time() - t_start:.0f}s)")
+    return 0
+
+
+def render(out, a, argv):
+    cmd = "python bench/bench_backward.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    parts = [f"# Backward benchmarks\n\n`{cmd.strip()}`\n\n{out['env']}\n"]
+    models = out["cpu"].get("models")
+    if models:
+        parts.append("## Steady-state backward per step (CPU; median, ratio to eager)\n\n" + model_table(models))
+        parts.append("## First step (compile)\n\n" + first_table(models))
+        parts.append("## Peak memory allocated during one backward\n\n" + mem_table(models))
+        notes = []
+        for r in models:
+            notes.append(
+                f"- {r['model']}: {r['params']:,} parameters, {r['n_nodes']} autograd nodes; vjpgen "
+                f"max |grad − eager| {r['vjpgen_max_diff']:.1e}, {r['vjpgen_breaks']} graph breaks, "
+                f"{r['vjpgen_compiles']} compiled regions, {r['vjpgen_recompiles']} recompiles; "
+                f"floor = {r['floor_calls']['matmul']} matmul calls "
+                f"({r['floor_calls']['matmul+extern']} with extern kernels)"
+            )
+        parts.append("\n".join(notes))
+    ov = out["cpu"].get("overhead")
+    if ov:
+        slope, icpt = growth(ov)
+        parts.append(
+            "## vjpgen cache-hit overhead (no math)\n\n" + overhead_table(ov)
+            + f"\n\nLeast-squares fit: {slope:.2f} µs per node + {icpt / 1e3:.2f} ms fixed; per-node cost at "
+            f"{ov[-1]['nodes']} nodes is {ov[-1]['per_node_us'] / ov[0]['per_node_us']:.2f}× that at {ov[0]['nodes']}."
+        )
+    if out["cuda"]:
+        parts.append(f"## CUDA ({out['cuda']['device']})\n\n" + model_table(out["cuda"]["models"])
+                     + "\n\n" + first_table(out["cuda"]["models"]) + "\n\n" + mem_table(out["cuda"]["models"]))
+    else:
+        parts.append("## CUDA\n\nskipped: torch.cuda.is_available() is False on this machine.")
+    return "\n\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
