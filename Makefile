@@ -33,6 +33,7 @@ bench-generate: $(STAMP)
 	$(PY) bench/bench_generate.py
 
 bench: $(STAMP) bench-generate
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/bench_backward.py
 
 clean:
