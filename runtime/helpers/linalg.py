@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .reductions import _prod_safe_zeros_backward
 from .registry import register
 
 __all__ = [
@@ -82,23 +83,6 @@ def _fill_diagonal(t: torch.Tensor, value) -> torch.Tensor:
 def _gap_matrix(x: torch.Tensor) -> torch.Tensor:
     """``E[..., j, k] = x_k - x_j`` off the diagonal and 1 on it."""
     return _fill_diagonal(x.unsqueeze(-2) - x.unsqueeze(-1), 1)
-
-
-def _prod_safe_zeros_backward(grad: torch.Tensor, inp: torch.Tensor, dim: int) -> torch.Tensor:
-    """Gradient of ``prod(inp, dim)`` that stays correct when ``inp`` contains zeros
-    (product of exclusive cumulative products from both ends)."""
-    if inp.numel() == 0:
-        return grad.expand_as(inp)
-    size = inp.shape[dim]
-    if size == 1:
-        return grad
-    ones_size = list(inp.shape)
-    ones_size[dim] = 1
-    ones = torch.ones(ones_size, dtype=grad.dtype, device=grad.device)
-    excl_normal = torch.cat([ones, inp.narrow(dim, 0, size - 1)], dim).cumprod(dim)
-    narrow_reverse = inp.narrow(dim, 1, size - 1).flip(dim)
-    excl_reverse = torch.cat([ones, narrow_reverse], dim).cumprod(dim).flip(dim)
-    return grad * (excl_normal * excl_reverse).conj()
 
 
 def _perturb_singular_lu(LU: torch.Tensor) -> torch.Tensor:
