@@ -103,10 +103,27 @@ def _cache_dir() -> Path:
     return Path(root) / "black"
 
 
+def _split_header(src: str) -> tuple[str, str]:
+    """The leading ``#`` comment lines (the generated stamp, which black leaves alone) and the rest."""
+    lines = src.splitlines(keepends=True)
+    n = 0
+    while n < len(lines) and lines[n].startswith("#"):
+        n += 1
+    return "".join(lines[:n]), "".join(lines[n:])
+
+
 def format_all(sources: dict[str, str], jobs: int) -> dict[str, str]:
-    """black-format every source; results cached under ``~/.cache/vjpgen/black`` by content hash."""
+    """black-format every source; results cached under ``~/.cache/vjpgen/black`` by content hash.
+
+    The stamp lines (torch version, inputs sha256) are kept out of the key, so a changed input
+    file re-formats only the modules whose code changed."""
     import black
 
+    headers: dict[str, str] = {}
+    bodies: dict[str, str] = {}
+    for name, src in sources.items():
+        headers[name], bodies[name] = _split_header(src)
+    sources = bodies
     salt = f"black {black.__version__} {_black_mode()!r}".encode()
     cache = _cache_dir()
     keys = {name: _sha256(salt + src.encode()) for name, src in sources.items()}
@@ -134,7 +151,7 @@ def format_all(sources: dict[str, str], jobs: int) -> dict[str, str]:
             except OSError as e:  # a read-only cache only costs time
                 log.debug("black cache not written: %s", e)
     log.info("black: %d formatted, %d from cache", len(todo), len(sources) - len(todo))
-    return out
+    return {name: headers[name] + text for name, text in out.items()}
 
 
 # -- build ---------------------------------------------------------------------------------
@@ -151,17 +168,17 @@ def build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
 
 
 def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
-    import torch
-
-    from vjpgen.runtime.helpers import HELPERS
-
     from .natives import kwarg_names_factory
     from .spec import SpecBuilder
+    from .torch_names import TorchNames, helper_names
 
     t0 = time.perf_counter()
     loaded = load(inputs)
     t1 = time.perf_counter()
-    builder = SpecBuilder(HELPERS, kwarg_names_factory(inputs))
+    version = installed_torch_version()
+    torch_names = TorchNames(version)
+    helpers = helper_names(Path(__file__).resolve().parent.parent / "runtime" / "helpers")
+    builder = SpecBuilder(helpers, kwarg_names_factory(inputs), torch_names)
     specs = []
     for info in loaded.infos:
         spec = builder.build(info, loaded.sources[info.op], info.op in loaded.overridden)
@@ -172,8 +189,8 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
     names = [s.module for s in specs]
     if len(set(names)) != len(names):
         raise GenerateError("two node classes map to the same module name")
+    torch_names.save()
     sha = inputs_sha256(inputs)
-    version = torch.__version__.split("+")[0]
     raw = {f"{s.module}.py": render_module(s, version, sha) for s in specs}
     raw["__init__.py"] = render_index(specs, version, sha)
     t2 = time.perf_counter()

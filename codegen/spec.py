@@ -108,9 +108,10 @@ def _pyname(name: str, taken: Iterable[str]) -> str:
 class SpecBuilder:
     """Builds node specs; shared lookups (helper names, aten keyword names) are held once."""
 
-    def __init__(self, helpers: Iterable[str], kwarg_names: Callable | None):
+    def __init__(self, helpers: Iterable[str], kwarg_names: Callable | None, torch_names=None):
         self.helpers = frozenset(helpers)
         self.kwarg_names = kwarg_names
+        self.torch_names = torch_names
 
     def build(self, info: DifferentiabilityInfo, source: str, overridden: bool) -> NodeSpec:
         op = info.op
@@ -167,7 +168,7 @@ class SpecBuilder:
         foreach = info.name.startswith("_foreach_")
         for d in info.derivatives:
             scope_locals = dict(locals_, i="i") if foreach else locals_
-            scope = Scope(scope_locals, types, self.helpers, self.kwarg_names)
+            scope = Scope(scope_locals, types, self.helpers, self.kwarg_names, self.torch_names)
             py, err = None, None
             try:
                 t = translate(d.formula, scope)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 from .cxx_parser import Node, ParseError, parse
+from .torch_names import TorchNames
 
 
 class TranslationError(ValueError):
@@ -147,6 +148,7 @@ class Scope:
     types: Mapping[str, str] = field(default_factory=dict)
     helpers: Iterable[str] = ()
     kwarg_names: Callable[[str, bool, int], tuple[str, ...] | None] | None = None
+    torch_names: TorchNames | None = None  # default: answers for the installed torch
 
 
 @dataclass
@@ -167,6 +169,7 @@ class _Lowerer:
         self.uses_math = False
         self.uses_options = False
         self.lambda_params: list[set[str]] = []
+        self.names = scope.torch_names or _default_names()
 
     # -- helpers -------------------------------------------------------------------------
     def err(self, msg: str, n: Node) -> TranslationError:
@@ -365,13 +368,11 @@ class _Lowerer:
         if m in _ATEN_METHODS:
             return self.call(self.expr(_ATEN_METHODS[m]), [obj, *a])
         pm = _RENAMED_METHODS.get(m, _drop_symint(m))
-        import torch
-
-        if not hasattr(torch.Tensor, pm):
+        if not self.names.has_method(pm):
             if m in self.helpers_set:
                 self.used_helpers.add(m)
                 return self.call(self.name(m), [obj, *a])
-            fn = _torch_function(pm)
+            fn = self.names.function(pm)
             if fn is None:
                 raise self.err(f"no Python Tensor method or aten function for C++ method {m!r}", n)
             pos, kws = self.split_keywords(pm, True, a)
@@ -453,7 +454,7 @@ class _Lowerer:
                 self.used_helpers.add(cand)
                 return self.call(self.name(cand), a)
         py = _drop_symint(base)
-        torch_fn = _torch_function(py)
+        torch_fn = self.names.function(py)
         if torch_fn is not None:
             pos, kws = self.split_keywords(py, False, a)
             return self.call(self.expr(torch_fn), pos, kws)
@@ -461,18 +462,10 @@ class _Lowerer:
 
 
 @functools.lru_cache(maxsize=None)
-def _torch_function(name: str) -> str | None:
-    """``"torch.<name>"`` or ``"torch.ops.aten.<name>"`` if such a callable exists, else None."""
-    import torch
+def _default_names() -> TorchNames:
+    from importlib.metadata import version
 
-    f = getattr(torch, name, None)
-    if f is not None and callable(f) and not isinstance(f, type) and not name.startswith("__"):
-        return f"torch.{name}"
-    try:
-        getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return None
-    return f"torch.ops.aten.{name}"
+    return TorchNames(version("torch").split("+")[0])
 
 
 def translate(formula: str, scope: Scope) -> Translation:

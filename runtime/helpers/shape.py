@@ -15,12 +15,23 @@ import sys
 from typing import Callable, Sequence
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from ..types import TensorGeometry, TensorOptions
 from .registry import register
 
 INT64_MAX = sys.maxsize  # C++ INT64_MAX, the "no end" of a slice
+
+
+def _guard_or_false(cond) -> bool:
+    """``cond`` for a plain bool; under symbolic tracing, False unless it is known to hold.
+
+    Imports torch.fx's symbolic-shape machinery on first use only (it is slow to import and
+    the generator imports this module just to read the helper table)."""
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return guard_or_false(cond)
 
 
 # --------------------------------------------------------------------------- small shared steps
@@ -38,7 +49,7 @@ def _wrap_dim(dim: int, ndim: int) -> int:
 
 def _is_legacy_empty(shape: Sequence) -> bool:
     """A 1-d size-0 shape: the legacy "empty tensor" that ``cat`` skips."""
-    return len(shape) == 1 and guard_or_false(shape[0] == 0)
+    return len(shape) == 1 and _guard_or_false(shape[0] == 0)
 
 
 def _real_if_needed(grad: torch.Tensor, input_dtype: torch.dtype) -> torch.Tensor:
@@ -275,7 +286,7 @@ def repeat_backward(grad: torch.Tensor, repeats: Sequence, input_shape: Sequence
 
     Mirrors FunctionsManual `repeat_backward`.
     """
-    if any(guard_or_false(r == 0) for r in repeats):
+    if any(_guard_or_false(r == 0) for r in repeats):
         return torch.zeros(input_shape, dtype=grad.dtype, device=grad.device)
     input_dims = len(input_shape)
     num_unsqueezed = grad.dim() - input_dims

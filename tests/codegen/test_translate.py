@@ -99,3 +99,26 @@ def test_errors_name_the_construct(formula, message):
     with pytest.raises(TranslationError, match=re.escape(message)) as e:
         translate(formula, Scope({"grad": "grad", "self": "self"}, {}, HELPERS))
     assert e.value.pos >= 0
+
+
+def test_static_helper_scan_matches_the_registry():
+    from pathlib import Path
+
+    import vjpgen.runtime.helpers as helpers
+    from vjpgen.codegen.torch_names import helper_names
+
+    assert helper_names(Path(helpers.__file__).parent) == frozenset(HELPERS)
+
+
+def test_torch_name_answers_are_cached_per_release(tmp_path, monkeypatch):
+    from vjpgen.codegen.torch_names import TorchNames
+
+    monkeypatch.setenv("VJPGEN_CACHE", str(tmp_path))
+    names = TorchNames("0.0-test")
+    assert names.function("where") == "torch.where"
+    assert names.function("native_layer_norm_backward") == "torch.ops.aten.native_layer_norm_backward"
+    assert names.function("no_such_op") is None
+    assert names.has_method("expand") and not names.has_method("no_such_method")
+    names.save()
+    again = TorchNames("0.0-test")
+    assert again.data == names.data and not again.dirty
