@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -60,6 +61,16 @@ class NodeSpec:
     @property
     def has_lists(self) -> bool:
         return any(i.is_list for i in self.inputs)
+
+    @property
+    def saved_uses_ranges(self) -> bool:
+        """Whether reading the saved values needs the inputs' edge ranges."""
+        return bool(self.meta_inputs) or any("ranges" in s.getter for s in self.saved)
+
+    @property
+    def saved_uses_edges(self) -> bool:
+        """Whether reading the saved values needs ``node.next_functions`` (beyond edge metadata)."""
+        return (self.has_lists and self.saved_uses_ranges) or any(re.search(r"\bnf\b", s.getter) for s in self.saved)
 
     @property
     def translated(self) -> bool:

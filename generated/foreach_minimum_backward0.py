@@ -60,8 +60,22 @@ def get_state(node, should_compute=None):
     """
     nf = node.next_functions
     ranges = _state.input_ranges(len(nf), _INPUT_IS_LIST)
+    return [_state.needs_input_grad(nf, ranges, should_compute), *get_saved(node)]
+
+
+USES_EDGE_META = False
+
+
+def get_saved(node, edge_meta=None):
+    """The saved values (in ``SAVED`` order) read from a live ``ForeachMinimumBackward0`` node.
+
+    ``edge_meta``: the input metadata of each ``next_functions`` edge (None for an invalid
+    edge), for a caller that has read it already; read here when not given and
+    ``USES_EDGE_META``.
+    """
+    nf = node.next_functions
+    ranges = _state.input_ranges(len(nf), _INPUT_IS_LIST)
     return [
-        _state.needs_input_grad(nf, ranges, should_compute),
         len(ranges[0]),
         node._saved_scalar,
         list(node._saved_self),

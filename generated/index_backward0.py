@@ -56,9 +56,26 @@ def get_state(node, should_compute=None):
     """
     nf = node.next_functions
     ranges = _RANGES
-    meta0 = _state.input_meta(nf, ranges[0])
+    return [_state.needs_input_grad(nf, ranges, should_compute), *get_saved(node)]
+
+
+USES_EDGE_META = True
+
+
+def get_saved(node, edge_meta=None):
+    """The saved values (in ``SAVED`` order) read from a live ``IndexBackward0`` node.
+
+    ``edge_meta``: the input metadata of each ``next_functions`` edge (None for an invalid
+    edge), for a caller that has read it already; read here when not given and
+    ``USES_EDGE_META``.
+    """
+    ranges = _RANGES
+    meta0 = (
+        edge_meta[ranges[0].start]
+        if edge_meta is not None
+        else _state.input_meta(node.next_functions, ranges[0])
+    )
     return [
-        _state.needs_input_grad(nf, ranges, should_compute),
         list(node._saved_indices),
         _state.options_of(meta0),
         _state.signed(node._saved_self_sym_sizes),

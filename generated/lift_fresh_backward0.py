@@ -48,6 +48,17 @@ def get_state(node, should_compute=None):
     """
     nf = node.next_functions
     ranges = _RANGES
-    return [
-        _state.needs_input_grad(nf, ranges, should_compute),
-    ]
+    return [_state.needs_input_grad(nf, ranges, should_compute), *get_saved(node)]
+
+
+USES_EDGE_META = False
+
+
+def get_saved(node, edge_meta=None):
+    """The saved values (in ``SAVED`` order) read from a live ``LiftFreshBackward0`` node.
+
+    ``edge_meta``: the input metadata of each ``next_functions`` edge (None for an invalid
+    edge), for a caller that has read it already; read here when not given and
+    ``USES_EDGE_META``.
+    """
+    return []

@@ -120,6 +120,7 @@ class NodeInfo:
     __slots__ = (
         "cls", "name", "module", "is_acc", "pyfunc", "live", "num_inputs", "edges", "sc",
         "in_slots", "out", "n_saved", "sym_flags", "saved_names", "sc_get",
+        "needs", "get_saved", "uses_meta",
     )
 
     def __init__(self, cls, num_inputs, edges):
@@ -138,6 +139,9 @@ class NodeInfo:
         self.n_saved = 0
         self.sym_flags = ()
         self.saved_names = ()
+        self.needs = None  # needs_input_grad: fixed by the plan's structure, read on first gather
+        self.get_saved = None  # module.get_saved(node, edge_meta): the saved values alone
+        self.uses_meta = False  # whether get_saved reads edge metadata (then the walk's is passed)
 
 
 class Region:
@@ -197,6 +201,9 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
     for i, (cls, nin, edges) in enumerate(key):
         info = NodeInfo(cls, nin, edges)
         info.module, info.live = _module_for(info)
+        if info.module is not None:
+            info.get_saved = getattr(info.module, "get_saved", None)
+            info.uses_meta = getattr(info.module, "USES_EDGE_META", True)
         if hooked and i in hooked and not info.is_acc:
             info.live = ("node", hooked[i].describe())
         if info.module is not None and info.live is None:
@@ -424,17 +431,27 @@ def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False)
     infos = plan.infos
     for i in region.nodes:
         info = infos[i]
+        node = nodes[i]
         try:
-            state = info.module.get_state(nodes[i], info.sc_get)
+            needs = info.needs
+            get_saved = info.get_saved
+            if needs is None or get_saved is None:
+                state = info.module.get_state(node, info.sc_get)
+                needs = info.needs = tuple(state[0])  # the same for every call of this plan
+                saved = state[1:]
+            else:
+                em = None
+                if info.uses_meta:  # the walk has read every node's input metadata already
+                    em = [None if e is None else metas[e[0]][e[1]] for e in info.edges]
+                saved = get_saved(node, em)
         except Exception as e:
             raise _NodeTraceError(i, e) from e
-        if len(state) - 1 != info.n_saved:
+        if len(saved) != info.n_saved:
             raise RuntimeError(
-                f"vjpgen: {info.name}.get_state returned {len(state) - 1} saved values, SCHEMA has {info.n_saved}"
+                f"vjpgen: {info.name}.get_state returned {len(saved)} saved values, SCHEMA has {info.n_saved}"
             )
-        it = iter(state)
-        add_s(tuple(next(it)))
-        for v, sym in zip(it, info.sym_flags):
+        add_s(needs)
+        for v, sym in zip(saved, info.sym_flags):
             tp = type(v)
             if tp is _Tensor or tp is _Parameter:  # most saved values are tensors
                 k = id(v)
