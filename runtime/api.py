@@ -77,6 +77,10 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     STATS.backward_calls += 1
+    for t in (*outputs, *(inputs or ())):
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused,
+                          f"{t.layout} tensors are not captured")
     grads = torch.autograd._make_grads(outputs, grad_outputs, is_grads_batched=False)
     root_edges = [_gradient_edge(t, "tensors", i) for i, t in enumerate(outputs)]
     root_nodes = [n for n, _ in root_edges]

@@ -686,8 +686,19 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         try:
             compiled = _compile_region(region, plan, S, T, I, dd, di, ctx.backend, lT, lI)
         except _NodeTraceError as e:
-            _break_region(e, region, plan, nodes, metas, buf, ctx, "tracing")
-            return False
+            if not (dd or di):
+                _break_region(e, region, plan, nodes, metas, buf, ctx, "tracing")
+                return False
+            # some aten meta kernels reject symbolic sizes (e.g. upsample_*_backward): specialize
+            # this shape instead of breaking the graph (an exact-match entry, as torch.compile
+            # falls back to static shapes)
+            log.debug("vjpgen: dynamic trace of %s failed (%s); tracing static", region.label, e.exc)
+            STATS.recompile_reasons.append(f"{region.label}: dynamic trace failed, specialized ({type(e.exc).__name__})")
+            try:
+                compiled = _compile_region(region, plan, S, T, I, {}, set(), ctx.backend, lT, lI)
+            except _NodeTraceError as e2:
+                _break_region(e2, region, plan, nodes, metas, buf, ctx, "tracing")
+                return False
         STATS.compiles += 1
         for i in region.nodes:
             STATS.nodes_compiled_by_class[plan.infos[i].name] += 1
