@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from . import capture, hooks
+from . import capture, custom_function, hooks
 from .cache import Compiled, RegionCache, make_guard
 from .stats import STATS, record_break
 
@@ -184,7 +184,10 @@ def _module_for(info: NodeInfo):
     if info.is_acc:
         return None, None
     if info.pyfunc:
-        return None, ("node", "custom autograd.Function backward")
+        m = custom_function.module_for(info.cls)
+        if m is None:
+            return None, ("node", "custom autograd.Function without its own backward")
+        return m, None
     m = _get_module(info.name)
     if m is None:
         return None, ("node", "no generated module")

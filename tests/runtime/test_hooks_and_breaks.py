@@ -87,12 +87,72 @@ class Cube(torch.autograd.Function):
         return 3 * x**2 * g * ctx.k, None
 
 
-def test_custom_function_called_live():
+def test_custom_function_backward_is_inlined():
     a = torch.randn(5, requires_grad=True)
-    ref, ours = _both(lambda: Cube.apply(a.exp(), 2.0).sum(), [a])
-    torch.testing.assert_close(ours[0], ref[0])
+    for _ in range(2):
+        ref, ours = _both(lambda: Cube.apply(a.exp(), 2.0).sum(), [a])
+        torch.testing.assert_close(ours[0], ref[0])
     s = rt.stats()
-    assert s["graph_breaks"] == 1 and "CubeBackward" in str(s["graph_breaks_by_class"])
+    assert s["graph_breaks"] == 0 and s["nodes_compiled_by_class"]["CubeBackward"] == 1
+    assert s["cache_hits"] >= 1
+    # a ctx attribute is part of the cache key: a new value recompiles, never reuses the old graph
+    ref, ours = _both(lambda: Cube.apply(a.exp(), 5.0).sum(), [a])
+    torch.testing.assert_close(ours[0], ref[0])
+    assert any("2.0 -> 5.0" in r for r in rt.stats()["recompile_reasons"])
+
+
+class TensorOnCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.w = x.detach() * 2  # a tensor stored as a ctx attribute: not inlined
+        return x * ctx.w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2 * ctx.w
+
+
+class DataDependent(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * float(x.sum().item() > 0)  # reads tensor data: make_fx cannot trace it
+
+
+def test_custom_function_not_inlinable_is_called_live():
+    a = torch.randn(5, requires_grad=True)
+    for fn in (TensorOnCtx, DataDependent):
+        rt.reset_stats()
+        ref, ours = _both(lambda: fn.apply(a.exp()).sum(), [a])
+        torch.testing.assert_close(ours[0], ref[0])
+        assert rt.stats()["graph_breaks"] == 1, (fn, rt.stats())
+
+
+class NoMaterialize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        out = None
+        for g, k in ((g1, 2), (g2, 3)):
+            if g is not None:
+                out = g * k if out is None else out + g * k
+        return out
+
+
+def test_custom_function_undefined_grads_follow_materialize_grads():
+    a = torch.randn(5, requires_grad=True)
+    ref, ours = _both(lambda: NoMaterialize.apply(a.exp())[0].sum(), [a])
+    torch.testing.assert_close(ours[0], ref[0])
+    assert rt.stats()["graph_breaks"] == 0
 
 
 def test_copy_slices_called_live():

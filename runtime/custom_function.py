@@ -1,0 +1,133 @@
+"""Custom ``torch.autograd.Function`` backwards, inlined into the captured graph.
+
+A node of a custom Function (``MyFnBackward``) has no generated module; :func:`module_for` gives
+it one with the generated-module interface (``SCHEMA``, ``get_state``, ``get_saved``,
+``apply_functional``) so the engine traces its ``backward`` like any formula:
+
+* ``ctx.saved_tensors`` become graph inputs; ``ctx.needs_input_grad`` and the attributes the
+  forward set on ``ctx`` (numbers, strings, dtypes, devices, tuples of those) are constants of
+  the cache key, so a changed attribute recompiles instead of reusing a stale graph;
+* undefined grads are materialized as zeros unless the forward called
+  ``ctx.set_materialize_grads(False)``;
+* the backward's outputs (one per forward argument) map to the node's edges (one per tensor
+  argument) through the arguments that need a grad.
+
+Anything else — a tensor or other object stored on ``ctx``, an unmappable argument list, a
+backward that make_fx cannot trace — raises NotImplementedError here or fails the trace, and the
+engine calls the live node at a graph break instead. Never a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CONST_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout)
+
+
+def _is_const(v) -> bool:
+    if type(v) in (tuple, list, torch.Size):
+        return all(_is_const(x) for x in v)
+    return isinstance(v, _CONST_TYPES)
+
+
+class _TracedCtx:
+    """What ``backward(ctx, ...)`` reads from ``ctx``, rebuilt from graph inputs and constants."""
+
+    def __init__(self, saved, attrs, needs_input_grad):
+        self.saved_tensors = tuple(saved)
+        self.saved_variables = self.saved_tensors
+        self.needs_input_grad = needs_input_grad
+        for k, v in attrs:
+            setattr(self, k, v)
+
+
+class FunctionModule:
+    """The generated-module interface for the backward of one custom Function class."""
+
+    SAVED = (
+        "saved_tensors", "ctx_attributes", "materialize_grads", "output_metadata",
+        "forward_needs_input_grad", "edge_valid",
+    )
+    SCHEMA = ("Tensor[]", "Any", "bool", "Any", "bool[]", "bool[]")
+    USES_EDGE_META = False
+    TRANSLATED = True
+
+    def __init__(self, fn_cls):
+        self.fn_cls = fn_cls
+        self.NAME = f"{fn_cls.__name__}Backward"
+
+    def get_saved(self, node, edge_meta=None) -> list:
+        attrs = tuple(sorted(vars(node).items()))
+        for k, v in attrs:
+            if k.startswith("_vjpgen"):
+                continue
+            if not _is_const(v):
+                raise NotImplementedError(
+                    f"vjpgen: {type(node).__name__}: ctx.{k} ({type(v).__name__}) is not a constant; "
+                    "the backward is called live"
+                )
+        attrs = tuple((k, v) for k, v in attrs if not k.startswith("_vjpgen"))
+        needs = tuple(node.needs_input_grad)
+        valid = tuple(f is not None for f, _ in node.next_functions)
+        if len(needs) != len(valid) and sum(needs) != sum(valid):
+            raise NotImplementedError(
+                f"vjpgen: {type(node).__name__}: cannot map the backward's outputs to the node's edges"
+            )
+        outs = tuple((tuple(m.shape), m.dtype, m.device) for m in node._input_metadata)
+        return [
+            list(node.saved_tensors),
+            attrs,
+            bool(getattr(node, "_vjpgen_materialize", True)),
+            outs,
+            needs,
+            valid,
+        ]
+
+    def get_state(self, node, should_compute=None) -> list:
+        nf = node.next_functions
+        needs = tuple(
+            nf[j][0] is not None and (should_compute is None or should_compute(j)) for j in range(len(nf))
+        )
+        return [needs, *self.get_saved(node)]
+
+    def apply_functional(self, grads, needs_input_grad, saved, attrs, materialize, outs, fwd_needs, edge_valid):
+        """Run the Function's ``backward`` on a rebuilt ctx; one grad per edge (None where not needed)."""
+        if materialize:
+            grads = [
+                torch.zeros(shape, dtype=dt, device=dev) if g is None else g
+                for g, (shape, dt, dev) in zip(grads, outs)
+            ]
+        res = self.fn_cls.backward(_TracedCtx(saved, attrs, fwd_needs), *grads)
+        if not isinstance(res, tuple):
+            res = (res,)
+        n_edges = len(edge_valid)
+        if len(fwd_needs) == n_edges:  # every forward argument is a tensor: edge j is argument j
+            arg_of_edge = list(range(n_edges))
+        else:  # the valid edges are, in order, the arguments that need a grad (as PyNode maps them)
+            args = iter([a for a, b in enumerate(fwd_needs) if b])
+            arg_of_edge = [next(args) if v else None for v in edge_valid]
+        return [
+            res[a] if needs_input_grad[j] and a is not None and a < len(res) else None
+            for j, a in enumerate(arg_of_edge)
+        ]
+
+    def apply_functional_ivalue(self, grads, stack):
+        return self.apply_functional(grads, *stack)
+
+
+_MODULES: dict = {}
+
+
+def module_for(node_cls) -> FunctionModule | None:
+    """A :class:`FunctionModule` for a custom Function's backward node class, or None when its
+    Function has no ``backward`` of its own (e.g. vjp-only Functions)."""
+    mod = _MODULES.get(node_cls)
+    if mod is None and node_cls not in _MODULES:
+        fn_cls = getattr(node_cls, "_forward_cls", None)
+        backward = getattr(fn_cls, "backward", None) if fn_cls is not None else None
+        if backward is None or backward is torch.autograd.Function.backward:
+            mod = None
+        else:
+            mod = FunctionModule(fn_cls)
+        _MODULES[node_cls] = mod
+    return mod
