@@ -43,6 +43,14 @@ def inputs_sha256(inputs: Inputs) -> str:
     return h.hexdigest()
 
 
+def entry_sha256(entry: dict, schema: str, torch_version: str) -> str:
+    """sha256 of what one module is generated from: its derivatives.yaml entry (as merged), the
+    forward schema and the torch release. Stamped in the module, so editing one entry changes
+    only the modules it generates."""
+    blob = json.dumps({"entry": entry, "schema": schema, "torch": torch_version}, sort_keys=True, default=str)
+    return _sha256(blob.encode())
+
+
 def _generator_sources() -> list[Path]:
     """codegen/*.py, templates/*.j2 and runtime/helpers/*.py (the helper table decides what a call
     translates to). Found next to this file, in the repo and in an installed wheel alike, without
@@ -179,6 +187,12 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
     torch_names = TorchNames(version)
     helpers = helper_names(Path(__file__).resolve().parent.parent / "runtime" / "helpers")
     builder = SpecBuilder(helpers, kwarg_names_factory(inputs), torch_names)
+    for e in loaded.added:
+        log.warning(
+            "vjpgen: %s:%d: %r adds an entry; the installed torch's autograd does not create its node "
+            "class, so its module is reachable only through apply_functional",
+            e.file, e.line, e.name,
+        )
     specs = []
     for info in loaded.infos:
         spec = builder.build(info, loaded.sources[info.op], info.op in loaded.overridden)
@@ -191,7 +205,10 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
         raise GenerateError("two node classes map to the same module name")
     torch_names.save()
     sha = inputs_sha256(inputs)
-    raw = {f"{s.module}.py": render_module(s, version, sha) for s in specs}
+    raw = {
+        f"{s.module}.py": render_module(s, version, entry_sha256(loaded.entries[s.name], s.schema, version))
+        for s in specs
+    }
     raw["__init__.py"] = render_index(specs, version, sha)
     t2 = time.perf_counter()
     files = format_all(raw, jobs)

@@ -57,6 +57,9 @@ class Entry:
         return self.key_lines.get(key, self.line)
 
 
+# keys of a derivatives.yaml entry that are not formulas
+_ENTRY_KEYS = {"name", "dispatch", "output_differentiability", "output_differentiability_conditions"}
+
 _NAME_LINE = re.compile(r"^- name:\s*(.+?)\s*$")
 
 
@@ -140,6 +143,18 @@ def _check_against_native(entries: list[Entry], inputs: Inputs) -> None:
                 f"{e.file}:{e.line}: entry {e.name!r}: the signature does not match the native function "
                 f"{str(f.func)!r}"
             )
+        args = [a.name for a in schema.arguments.flat_all]
+        outs = {"result", *(f"result{k}" for k in range(len(schema.returns)))}
+        outs |= {r.name for r in schema.returns if r.name}
+        for key in e.data:
+            if key in _ENTRY_KEYS:
+                continue
+            for var in (v.strip() for v in str(key).split(",")):
+                if var not in args and var not in outs:
+                    raise GenerateError(
+                        f"{e.file}:{e.line_of(key)}: entry {e.name!r}: {var!r} is neither an argument nor an "
+                        f"output of the schema (arguments: {', '.join(args)})"
+                    )
 
 
 @dataclass(frozen=True)
@@ -150,6 +165,8 @@ class Loaded:
     sources: dict[str, str]  # node class → "file:line" of its entry
     overridden: dict[str, Entry]  # node class → the repo entry that defines it
     upstream_saved: dict[str, set[str]]  # node class → saved names of the upstream entry
+    entries: dict[str, dict]  # node class → its (merged) derivatives.yaml entry
+    added: list[Entry]  # repo entries that name no upstream entry
 
 
 def _load_with_torchgen(yaml_path: str, inputs: Inputs):
@@ -180,12 +197,14 @@ def load(inputs: Inputs) -> Loaded:
     by_name = {" ".join(e["name"].split()): k for k, e in enumerate(upstream)}
     merged = list(upstream)
     replaced: list[dict] = []
+    added: list[Entry] = []
     for e in overlay:
         if e.name in by_name:
             replaced.append(upstream[by_name[e.name]])
             merged[by_name[e.name]] = e.data
         else:
             merged.append(e.data)
+            added.append(e)
     tmp = _write_yaml(merged)
     try:
         infos = _load_with_torchgen(tmp, inputs)
@@ -207,14 +226,17 @@ def load(inputs: Inputs) -> Loaded:
         finally:
             os.unlink(tmp)
     overlay_by_key = {_op_key(e.name): e for e in overlay}
+    merged_by_key = {_op_key(e["name"]): e for e in merged}
     sources: dict[str, str] = {}
     overridden: dict[str, Entry] = {}
+    entries: dict[str, dict] = {}
     for info in infos:
         key = str(info.func.func.name)
+        entries[info.op] = merged_by_key.get(key, {})
         if key in overlay_by_key:
             e = overlay_by_key[key]
             sources[info.op] = f"{e.file.name}:{e.line} (repo)"
             overridden[info.op] = e
         else:
             sources[info.op] = f"torchgen/packaged/autograd/derivatives.yaml:{up_lines.get(key, 0)}"
-    return Loaded(infos, sources, overridden, upstream_saved)
+    return Loaded(infos, sources, overridden, upstream_saved, entries, added)

@@ -34,14 +34,14 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def render_module(spec: NodeSpec, torch_version: str, inputs_sha256: str) -> str:
-    """Source of ``generated/<spec.module>.py`` (before black)."""
+def render_module(spec: NodeSpec, torch_version: str, entry_sha256: str) -> str:
+    """Source of ``generated/<spec.module>.py`` (before black); ``entry_sha256`` stamps its inputs."""
     return environment().get_template("module.py.j2").render(
         spec=spec,
         body=body_lines(spec),
         origin=ORIGIN,
         torch_version=torch_version,
-        inputs_sha256=inputs_sha256,
+        entry_sha256=entry_sha256,
     )
 
 

@@ -92,8 +92,9 @@ def schema_is_int(cpp: str) -> bool:
 
 
 def module_name(node_class: str) -> str:
-    """``MulBackward0`` → ``mul_backward0`` (PyTorch node class name in snake case)."""
-    s = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", node_class)
+    """``MulBackward0`` → ``mul_backward0``, ``AdaptiveAvgPool2DBackward0`` →
+    ``adaptive_avg_pool2d_backward0`` (the node class name in snake case)."""
+    s = re.sub(r"(?<=[a-z])([A-Z])", r"_\1", node_class)  # no break after a digit: Pool2D, Im2Col
     s = re.sub(r"(?<=[A-Z])([A-Z][a-z])", r"_\1", s)
     return s.lower()
 

@@ -1,6 +1,6 @@
 """vjpgen runtime: helpers the generated formulas call, graph capture and compilation.
 
-Public API (see shared/design.md): :func:`call_functional`, :func:`backward`, :func:`grad`,
+Public API (see README.md): :func:`call_functional`, :func:`backward`, :func:`grad`,
 :func:`compiled_autograd`, :func:`stats`, :func:`explain`.
 """
 

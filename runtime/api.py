@@ -30,6 +30,14 @@ def call_functional(node, grads) -> tuple:
     no module exists, and (from the module) naming the formula when a needed one is untranslated
     or upstream marks it not_implemented."""
     name = type(node).__name__
+    if isinstance(grads, torch.Tensor) or not isinstance(grads, (list, tuple)):
+        raise TypeError(
+            f"vjpgen: call_functional(node, grads): grads must be a list or tuple with one entry per "
+            f"output of {name} (like node(*grads)), got {type(grads).__name__}"
+        )
+    n_out = len(node._input_metadata)
+    if len(grads) != n_out:
+        raise TypeError(f"vjpgen: {name} expects {n_out} grads (one per output of the forward op), got {len(grads)}")
     m = engine._get_module(name)
     if m is None:
         raise NotImplementedError(f"vjpgen: no generated module for backward node {name}")

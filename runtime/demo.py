@@ -178,7 +178,7 @@ def print_table(r, out=sys.stdout) -> None:
         ("graph breaks", str(r["graph_breaks"])),
         ("recompiles", str(r["recompiles"])),
         ("backward ms/step (eager)", f"{r['eager_ms']:.2f}"),
-        ("backward ms/step (vjpgen)", f"{r['vjpgen_ms']:.2f} ({r['vjpgen_ms'] / max(r['eager_ms'], 1e-9):.2f}x eager)"),
+        ("backward ms/step (vjpgen)", f"{r['vjpgen_ms']:.2f} ({r['vjpgen_ms'] / max(r['eager_ms'], 1e-9):.2f}x eager's time)"),
         ("first step incl. compile", f"{r['first_step_s']:.1f} s"),
     ]
     w = max(len(a) for a, _ in rows)

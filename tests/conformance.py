@@ -120,7 +120,7 @@ def check_node(node, gen, drop: int | None = None) -> tuple[str, str]:
         try:
             torch.testing.assert_close(a, b, equal_nan=True)
         except AssertionError as e:
-            return MISMATCHED, f"edge {j}: " + " ".join(str(e).split())[:200]
+            return MISMATCHED, f"edge {j}: " + " ".join(str(e).split())[:400]
         except Exception as e:
             return MISMATCHED, f"edge {j}: {_short(e)}"
     return PASSED, ""

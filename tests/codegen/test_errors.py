@@ -70,3 +70,16 @@ def test_unreadable_native_functions(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "nf.yaml: cannot read input" in err
+
+
+def test_misspelled_input_name_is_named(tmp_path, capsys):
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("- name: sin(Tensor self) -> Tensor\n  slef: grad * self.cos().conj()\n")
+    rc = main(["generate", "--overlay", str(overlay), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert re.search(
+        r"overlay\.yaml:2: entry 'sin\(Tensor self\) -> Tensor': 'slef' is neither an argument nor an output "
+        r"of the schema \(arguments: self\)",
+        err,
+    ), err

@@ -213,3 +213,19 @@ def test_eager_backend_and_explain(tmp_path):
     assert w.grad is None
     rt.backward(loss, backend="eager")
     torch.testing.assert_close(w.grad, torch.autograd.grad(torch.relu(x @ w.t()).sin().sum(), w)[0])
+
+
+def test_call_functional_rejects_grads_the_live_node_rejects():
+    import pytest
+
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    node = (a * b).grad_fn
+    g = torch.randn(3)
+    with pytest.raises(TypeError, match="grads must be a list or tuple"):
+        rt.call_functional(node, g)  # a bare tensor would otherwise be iterated row by row
+    with pytest.raises(TypeError, match="expects 1 grads"):
+        rt.call_functional(node, (g, g))
+    expected = node(g)
+    for x, y in zip(rt.call_functional(node, [g]), expected):
+        torch.testing.assert_close(x, y)
