@@ -5,33 +5,17 @@ and are checked against their live nodes."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from tests.helpers.live import live, saved
+from tests.helpers.live import seeded  # noqa: F401 (autouse fixture)
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers import device_specific as DS
 
 D = torch.float64
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-def sv(node, name):
-    return getattr(node, "_saved_" + name)
-
-
-def live(node, *grads, grad_mode=False):
-    ctx = torch.enable_grad() if grad_mode else torch.no_grad()
-    with ctx:
-        out = node(*grads)
-    return list(out) if isinstance(out, tuple) else [out]
 
 
 def test_all_registered():
@@ -159,10 +143,10 @@ def test_grouped_mm_backward(case):
     g = torch.randn_like(y)
     ref = live(node, g)
     got1 = DS._grouped_mm_mat1_backward(
-        g, sv(node, "mat2"), sv(node, "self_sym_sizes"), sv(node, "self_sym_strides"), a.layout, sv(node, "offs"), 1
+        g, saved(node, "mat2"), saved(node, "self_sym_sizes"), saved(node, "self_sym_strides"), a.layout, saved(node, "offs"), 1
     )
     got2 = DS._grouped_mm_mat2_backward(
-        g, sv(node, "self"), sv(node, "mat2_sym_sizes"), sv(node, "mat2_sym_strides"), b.layout, sv(node, "offs"), 1
+        g, saved(node, "self"), saved(node, "mat2_sym_sizes"), saved(node, "mat2_sym_strides"), b.layout, saved(node, "offs"), 1
     )
     assert_close(got1, ref[0])
     assert_close(got2, ref[1])
@@ -201,20 +185,20 @@ def _mkldnn_layer(reverse, has_biases, T=3, N=2, I=4, H=5):
 
 def _call_port(node, grads):
     names = ("input", "weight0", "weight1", "weight2", "weight3", "hx_", "cx_", "result0", "result1", "result2")
-    args = [sv(node, n) for n in names]
+    args = [saved(node, n) for n in names]
     return DS.mkldnn_rnn_layer_differentiable_backward(
         *args,
         *grads,
-        sv(node, "reverse"),
-        sv(node, "mode"),
-        sv(node, "hidden_size"),
-        sv(node, "num_layers"),
-        sv(node, "has_biases"),
-        sv(node, "train"),
-        sv(node, "bidirectional"),
-        sv(node, "batch_sizes"),
-        sv(node, "batch_first"),
-        sv(node, "result3"),
+        saved(node, "reverse"),
+        saved(node, "mode"),
+        saved(node, "hidden_size"),
+        saved(node, "num_layers"),
+        saved(node, "has_biases"),
+        saved(node, "train"),
+        saved(node, "bidirectional"),
+        saved(node, "batch_sizes"),
+        saved(node, "batch_first"),
+        saved(node, "result3"),
     )
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.testing import assert_close
 
+from tests.helpers.live import check_grads_exact, leaf, live, saved
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers.indexing import (
     embedding_dense_double_backward_symint,
@@ -19,37 +19,6 @@ from vjpgen.runtime.helpers.indexing import (
 D = torch.float64
 
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
-
-
-def leaf(*shape, dtype=D):
-    return torch.randn(shape, dtype=dtype).requires_grad_()
-
-
-def saved(node, name):
-    """``node._saved_<name>``; negative int64 values read back as unsigned, so fix them up."""
-    v = getattr(node, "_saved_" + name)
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 2**63:
-        return v - 2**64
-    return v
-
-
-def live(node, *grads):
-    with torch.no_grad():
-        out = node(*grads)
-    return list(out) if isinstance(out, tuple) else [out]
-
-
-def check(mine, ref, exact=True):
-    assert len(mine) == len(ref)
-    for m, r in zip(mine, ref):
-        if r is None:
-            assert m is None
-            continue
-        assert m.dtype == r.dtype and m.shape == r.shape
-        if exact:
-            assert_close(m, r, rtol=0, atol=0, equal_nan=True)
-        else:
-            assert_close(m, r, equal_nan=True)
 
 
 def test_registered_names():
@@ -82,7 +51,7 @@ def test_index(make_idx):
     g = torch.randn_like(out)
     sizes = saved(node, "self_sym_sizes")
     mine = index_backward(g.new_zeros(sizes, dtype=x.dtype), list(saved(node, "indices")), g)
-    check([mine], live(node, g))
+    check_grads_exact([mine], live(node, g))
 
 
 def test_take():
@@ -91,7 +60,7 @@ def test_take():
     out = x.take(idx)
     node = out.grad_fn
     g = torch.randn_like(out)
-    check([take_backward(g, saved(node, "self"), saved(node, "index"))], live(node, g))
+    check_grads_exact([take_backward(g, saved(node, "self"), saved(node, "index"))], live(node, g))
 
 
 @pytest.mark.parametrize("mask_shape", [(3, 4), (4,), (1, 4)])
@@ -104,7 +73,7 @@ def test_masked_fill(mask_shape):
     g = torch.randn_like(out)
     ref = live(node, g)
     m = saved(node, "mask")
-    check([g.masked_fill(m, 0), masked_fill_backward(g, m)], ref, exact=False)
+    check_grads_exact([g.masked_fill(m, 0), masked_fill_backward(g, m)], ref, exact=False)
 
 
 @pytest.mark.parametrize("padding_idx", [-1, 1])
@@ -122,7 +91,7 @@ def test_embedding_dense_double_backward(padding_idx):
     mine = embedding_dense_double_backward_symint(
         gg, saved(node, "indices"), saved(node, "padding_idx")
     )
-    check([mine], live(node, gg))
+    check_grads_exact([mine], live(node, gg))
 
 
 def _zeroish(shape, zeros_at=()):
@@ -158,7 +127,7 @@ def test_scatter_reduce(reduce, include_self, dim):
         saved(node, "include_self"),
         saved(node, "result"),
     )
-    check(list(mine), live(node, g))
+    check_grads_exact(list(mine), live(node, g))
 
 
 def test_scatter_reduce_bad_reduce_and_undefined():
@@ -195,7 +164,7 @@ def test_index_reduce(reduce, include_self, dim):
         saved(node, "include_self"),
         saved(node, "result"),
     )
-    check(list(mine), live(node, g))
+    check_grads_exact(list(mine), live(node, g))
 
 
 def test_traceable():
@@ -224,4 +193,4 @@ def test_traceable():
     m = torch.rand(5, 3) > 0.5
     gm = make_fx(f)(g, x, src, idx, m)
     flat = torch.utils._pytree.tree_leaves
-    check(flat(gm(g, x, src, idx, m)), flat(f(g, x, src, idx, m)))
+    check_grads_exact(flat(gm(g, x, src, idx, m)), flat(f(g, x, src, idx, m)))

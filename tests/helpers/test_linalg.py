@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from tests.helpers.live import check_grads, leaf, live, rnd, saved
+from tests.helpers.live import seeded  # noqa: F401 (autouse fixture)
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers import linalg as L
 
@@ -15,46 +17,11 @@ D = torch.float64
 C = torch.complex128
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-def leaf(*shape, dtype=D):
-    return torch.randn(shape, dtype=dtype).requires_grad_()
-
-
-def sv(node, name):
-    return getattr(node, "_saved_" + name)
-
-
-def live(node, *grads, grad_mode=False):
-    """The live node's grads (one per next_functions edge) as a list."""
-    ctx = contextlib.nullcontext() if grad_mode else torch.no_grad()
-    with ctx:
-        out = node(*grads)
-    return list(out) if isinstance(out, tuple) else [out]
-
-
 def mine(fn, *args, grad_mode=False):
     ctx = contextlib.nullcontext() if grad_mode else torch.no_grad()
     with ctx:
         out = fn(*args)
     return list(out) if isinstance(out, tuple) else [out]
-
-
-def check(got, ref):
-    assert len(got) == len(ref)
-    for g, r in zip(got, ref):
-        if r is None:
-            assert g is None
-        else:
-            assert g is not None
-            assert_close(g, r)
-
-
-def rand_like(t):
-    return torch.randn(t.shape, dtype=t.dtype)
 
 
 def spd(n, dtype=D, batch=()):
@@ -82,11 +49,11 @@ def test_mm(col_major):
     b.requires_grad_()
     out = a.mm(b)
     n = out.grad_fn
-    g = rand_like(out)
+    g = rnd(out)
     ref = live(n, g)
-    g1 = L.mm_mat1_backward(g, sv(n, "mat2"), sv(n, "self_sym_sizes"), sv(n, "self_sym_strides"), torch.strided, 1)
-    g2 = L.mm_mat2_backward(g, sv(n, "self"), sv(n, "mat2_sym_sizes"), sv(n, "mat2_sym_strides"), torch.strided, 1)
-    check([g1, g2], ref)
+    g1 = L.mm_mat1_backward(g, saved(n, "mat2"), saved(n, "self_sym_sizes"), saved(n, "self_sym_strides"), torch.strided, 1)
+    g2 = L.mm_mat2_backward(g, saved(n, "self"), saved(n, "mat2_sym_sizes"), saved(n, "mat2_sym_strides"), torch.strided, 1)
+    check_grads([g1, g2], ref)
     assert g1.stride() == ref[0].stride() and g2.stride() == ref[1].stride()
 
 
@@ -97,11 +64,11 @@ def test_addmm_alpha(dtype, alpha):
     b = torch.randn(5, 3, dtype=dtype).t().requires_grad_()  # column-major mat2
     out = torch.addmm(s, a, b, alpha=alpha)
     n = out.grad_fn
-    g = rand_like(out)
+    g = rnd(out)
     ref = live(n, g)
-    g1 = L.mm_mat1_backward(g, sv(n, "mat2"), sv(n, "mat1_sym_sizes"), sv(n, "mat1_sym_strides"), torch.strided, sv(n, "alpha"))
-    g2 = L.mm_mat2_backward(g, sv(n, "mat1"), sv(n, "mat2_sym_sizes"), sv(n, "mat2_sym_strides"), torch.strided, sv(n, "alpha"))
-    check([g1, g2], ref[1:])
+    g1 = L.mm_mat1_backward(g, saved(n, "mat2"), saved(n, "mat1_sym_sizes"), saved(n, "mat1_sym_strides"), torch.strided, saved(n, "alpha"))
+    g2 = L.mm_mat2_backward(g, saved(n, "mat1"), saved(n, "mat2_sym_sizes"), saved(n, "mat2_sym_strides"), torch.strided, saved(n, "alpha"))
+    check_grads([g1, g2], ref[1:])
 
 
 def test_mm_empty_strides():
@@ -116,7 +83,7 @@ def test_mm_empty_strides():
 def _det_node(A):
     out = torch.linalg.det(A)
     n = out.grad_fn
-    return out, n, lambda g: (g, sv(n, "result"), sv(n, "A"), sv(n, "LU"), sv(n, "pivots"))
+    return out, n, lambda g: (g, saved(n, "result"), saved(n, "A"), saved(n, "LU"), saved(n, "pivots"))
 
 
 @pytest.mark.parametrize("grad_mode", [False, True])
@@ -124,8 +91,8 @@ def _det_node(A):
 def test_det(grad_mode, dtype):
     A = leaf(3, 4, 4, dtype=dtype)
     out, n, args = _det_node(A)
-    g = rand_like(out)
-    check(mine(L.linalg_det_backward, *args(g), grad_mode=grad_mode), live(n, g, grad_mode=grad_mode))
+    g = rnd(out)
+    check_grads(mine(L.linalg_det_backward, *args(g), grad_mode=grad_mode), live(n, g, grad_mode=grad_mode))
 
 
 @pytest.mark.parametrize("grad_mode", [False, True])
@@ -135,20 +102,20 @@ def test_det_singular(grad_mode):
     A[2] = 0.0
     A.requires_grad_()
     out, n, args = _det_node(A)
-    g = rand_like(out)
-    check(mine(L.linalg_det_backward, *args(g), grad_mode=grad_mode), live(n, g, grad_mode=grad_mode))
+    g = rnd(out)
+    check_grads(mine(L.linalg_det_backward, *args(g), grad_mode=grad_mode), live(n, g, grad_mode=grad_mode))
     # non-contiguous A (adjoint lu_solve path) and a single 0-dim det
     B = torch.randn(4, 4, dtype=D).t().requires_grad_()
     out, n, args = _det_node(B)
-    g = rand_like(out)
-    check(mine(L.linalg_det_backward, *args(g), grad_mode=grad_mode), live(n, g, grad_mode=grad_mode))
+    g = rnd(out)
+    check_grads(mine(L.linalg_det_backward, *args(g), grad_mode=grad_mode), live(n, g, grad_mode=grad_mode))
 
 
 def test_det_empty_and_none():
     A = leaf(0, 0)
     out, n, args = _det_node(A)
     g = torch.ones((), dtype=D)
-    check([L.linalg_det_backward(*args(g))], live(n, g))  # an empty grad, as the live node
+    check_grads([L.linalg_det_backward(*args(g))], live(n, g))  # an empty grad, as the live node
     assert L.linalg_det_backward(None, out, A, A, A) is None
 
 
@@ -159,20 +126,20 @@ def test_slogdet(grad_mode, dtype, which):
     A = leaf(2, 3, 3, dtype=dtype)
     sign, logabs = torch.linalg.slogdet(A)
     n = logabs.grad_fn
-    gs = rand_like(sign) if which in ("both", "sign") else None
-    ga = rand_like(logabs) if which in ("both", "abs") else None
-    got = mine(L.slogdet_backward, gs, ga, sv(n, "A"), sv(n, "sign"), sv(n, "LU"), sv(n, "pivots"), grad_mode=grad_mode)
+    gs = rnd(sign) if which in ("both", "sign") else None
+    ga = rnd(logabs) if which in ("both", "abs") else None
+    got = mine(L.slogdet_backward, gs, ga, saved(n, "A"), saved(n, "sign"), saved(n, "LU"), saved(n, "pivots"), grad_mode=grad_mode)
     if dtype == D and ga is None:
         assert got == [None]
         return
-    check(got, live(n, gs, ga, grad_mode=grad_mode))
+    check_grads(got, live(n, gs, ga, grad_mode=grad_mode))
 
 
 # --------------------------------------------------------------------------- svd / eig
 
 
 def _svd_args(n, gU, gS, gVh):
-    return (gU, gS, gVh, sv(n, "U"), sv(n, "S"), sv(n, "Vh"))
+    return (gU, gS, gVh, saved(n, "U"), saved(n, "S"), saved(n, "Vh"))
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 3), (3, 3, 5), (4, 4)])
@@ -181,10 +148,10 @@ def test_svd_real(shape, which):
     A = leaf(*shape)
     U, S, Vh = torch.linalg.svd(A, full_matrices=False)
     n = S.grad_fn
-    gU = rand_like(U) if which in ("all", "U", "UVh") else None
-    gS = rand_like(S) if which in ("all", "S") else None
-    gVh = rand_like(Vh) if which in ("all", "Vh", "UVh") else None
-    check(mine(L.svd_backward, *_svd_args(n, gU, gS, gVh)), live(n, gU, gS, gVh))
+    gU = rnd(U) if which in ("all", "U", "UVh") else None
+    gS = rnd(S) if which in ("all", "S") else None
+    gVh = rnd(Vh) if which in ("all", "Vh", "UVh") else None
+    check_grads(mine(L.svd_backward, *_svd_args(n, gU, gS, gVh)), live(n, gU, gS, gVh))
 
 
 @pytest.mark.parametrize("shape", [(5, 3), (3, 5)])
@@ -192,14 +159,14 @@ def test_svd_complex(shape):
     A = leaf(*shape, dtype=C)
     U, S, Vh = torch.linalg.svd(A, full_matrices=False)
     n = S.grad_fn
-    gU = rand_like(U)
+    gU = rnd(U)
     # make the loss gauge invariant: Im diag(U^H gU) = 0
     gU = gU - U * (1j * torch.imag((U.mH @ gU).diagonal())).unsqueeze(-2)
     gU = gU.detach()
-    gS = rand_like(S)
-    check(mine(L.svd_backward, *_svd_args(n, gU, gS, None)), live(n, gU, gS, None))
+    gS = rnd(S)
+    check_grads(mine(L.svd_backward, *_svd_args(n, gU, gS, None)), live(n, gU, gS, None))
     # gauge-dependent loss: both raise
-    bad = rand_like(U)
+    bad = rnd(U)
     with pytest.raises(RuntimeError, match="e\\^\\{i phi\\}"):
         L.svd_backward(*_svd_args(n, bad, gS, None))
     with pytest.raises(RuntimeError):
@@ -216,12 +183,12 @@ def test_eigh(which, dtype):
     A = leaf(2, 4, 4, dtype=dtype)
     Lh, V = torch.linalg.eigh(A @ A.mH)
     n = Lh.grad_fn
-    gL = rand_like(Lh) if which in ("both", "L") else None
-    gV = rand_like(V) if which in ("both", "V") else None
+    gL = rnd(Lh) if which in ("both", "L") else None
+    gV = rnd(V) if which in ("both", "V") else None
     if gV is not None and dtype == C:
         gV = (gV - V * (1j * torch.imag((V.mH @ gV).diagonal(0, -2, -1))).unsqueeze(-2)).detach()
-    args = (gL, gV, sv(n, "eigenvalues"), sv(n, "eigenvectors"), True)
-    check(mine(L.linalg_eig_backward, *args), live(n, gL, gV))
+    args = (gL, gV, saved(n, "eigenvalues"), saved(n, "eigenvectors"), True)
+    check_grads(mine(L.linalg_eig_backward, *args), live(n, gL, gV))
 
 
 @pytest.mark.parametrize("which", ["both", "L", "V"])
@@ -229,21 +196,21 @@ def test_eig(which):
     A = leaf(4, 4)
     Le, V = torch.linalg.eig(A)
     n = Le.grad_fn
-    gL = rand_like(Le) if which in ("both", "L") else None
+    gL = rnd(Le) if which in ("both", "L") else None
     gV = None
     if which in ("both", "V"):
-        gV = rand_like(V)
+        gV = rnd(V)
         gV = (gV - V * (1j * torch.imag((V.mH @ gV).diagonal())).unsqueeze(-2)).detach()
-    got = L.linalg_eig_backward(gL, gV, sv(n, "eigenvalues"), sv(n, "eigenvectors"), False)
+    got = L.linalg_eig_backward(gL, gV, saved(n, "eigenvalues"), saved(n, "eigenvectors"), False)
     got = torch.real(got)  # the formula wraps the helper in handle_r_to_c
-    check([got], live(n, gL, gV))
+    check_grads([got], live(n, gL, gV))
 
 
 def test_eig_errors():
     A = leaf(3, 3, dtype=C)
     Le, V = torch.linalg.eig(A)
     n = Le.grad_fn
-    bad = rand_like(V)
+    bad = rnd(V)
     with pytest.raises(RuntimeError, match="linalg_eig_backward"):
         L.linalg_eig_backward(None, bad, Le.detach(), V.detach(), False)
     with pytest.raises(RuntimeError):
@@ -262,9 +229,9 @@ def test_cholesky(upper, dtype):
     A = spd(3, dtype, (2,))
     for out in (torch.linalg.cholesky(A, upper=upper), torch.cholesky(A, upper=upper)):
         n = out.grad_fn
-        g = rand_like(out)
-        res = sv(n, "L") if hasattr(n, "_saved_L") else sv(n, "result")
-        check([L.cholesky_backward(g, sv(n, "upper"), res)], live(n, g))
+        g = rnd(out)
+        res = saved(n, "L") if hasattr(n, "_saved_L") else saved(n, "result")
+        check_grads([L.cholesky_backward(g, saved(n, "upper"), res)], live(n, g))
 
 
 @pytest.mark.parametrize("upper", [False, True])
@@ -272,8 +239,8 @@ def test_cholesky_inverse(upper):
     F = torch.linalg.cholesky(spd(3).detach(), upper=upper).requires_grad_()
     out = torch.cholesky_inverse(F, upper=upper)
     n = out.grad_fn
-    g = rand_like(out)
-    check([L.cholesky_inverse_backward(g, sv(n, "self"), upper, sv(n, "result"))], live(n, g))
+    g = rnd(out)
+    check_grads([L.cholesky_inverse_backward(g, saved(n, "self"), upper, saved(n, "result"))], live(n, g))
     assert L.cholesky_inverse_backward(None, F, upper, out) is None
 
 
@@ -284,10 +251,10 @@ def test_cholesky_solve(upper, mask):
     B = leaf(3, 2)
     out = torch.cholesky_solve(B, F, upper=upper)
     n = out.grad_fn
-    g = rand_like(out)
-    got = L.cholesky_solve_backward(g, sv(n, "self"), sv(n, "input2"), sv(n, "result"), upper, mask)
+    g = rnd(out)
+    got = L.cholesky_solve_backward(g, saved(n, "self"), saved(n, "input2"), saved(n, "result"), upper, mask)
     ref = live(n, g)
-    check(list(got)[: len(ref)] if mask[1] else [got[0]], ref if mask[1] else ref[:1])
+    check_grads(list(got)[: len(ref)] if mask[1] else [got[0]], ref if mask[1] else ref[:1])
     assert L.cholesky_solve_backward(None, B, F, out, upper, mask) == (None, None)
 
 
@@ -297,8 +264,8 @@ def test_pinv(shape, dtype):
     A = leaf(*shape, dtype=dtype)
     out = torch.linalg.pinv(A)
     n = out.grad_fn
-    g = rand_like(out)
-    check([L.pinv_backward(g, sv(n, "result"), sv(n, "self"))], live(n, g))
+    g = rnd(out)
+    check_grads([L.pinv_backward(g, saved(n, "result"), saved(n, "self"))], live(n, g))
 
 
 # --------------------------------------------------------------------------- QR
@@ -311,10 +278,10 @@ def test_qr(shape, mode, which, dtype):
     A = leaf(*shape, dtype=dtype)
     Q, R = torch.linalg.qr(A, mode=mode)
     n = Q.grad_fn
-    gQ = rand_like(Q) if which in ("both", "Q") else None
-    gR = rand_like(R) if which in ("both", "R") else None
-    got = L.linalg_qr_backward(gQ, gR, sv(n, "Q"), sv(n, "R"), sv(n, "mode"))
-    check([got], live(n, gQ, gR))
+    gQ = rnd(Q) if which in ("both", "Q") else None
+    gR = rnd(R) if which in ("both", "R") else None
+    got = L.linalg_qr_backward(gQ, gR, saved(n, "Q"), saved(n, "R"), saved(n, "mode"))
+    check_grads([got], live(n, gQ, gR))
 
 
 def test_qr_errors():
@@ -339,10 +306,10 @@ def test_linalg_lu(shape, which, dtype):
     A = leaf(*shape, dtype=dtype)
     P, Lo, U = torch.linalg.lu(A)
     n = Lo.grad_fn
-    gL = rand_like(Lo) if which in ("both", "L") else None
-    gU = rand_like(U) if which in ("both", "U") else None
-    got = L.linalg_lu_backward(gL, gU, sv(n, "P"), sv(n, "L"), sv(n, "U"), sv(n, "pivot"))
-    check([got], live(n, gL, gU))
+    gL = rnd(Lo) if which in ("both", "L") else None
+    gU = rnd(U) if which in ("both", "U") else None
+    got = L.linalg_lu_backward(gL, gU, saved(n, "P"), saved(n, "L"), saved(n, "U"), saved(n, "pivot"))
+    check_grads([got], live(n, gL, gU))
     if which == "both":
         assert L.linalg_lu_backward(None, None, P, Lo, U, True) is None
 
@@ -352,9 +319,9 @@ def test_lu_factor_ex(shape):
     A = leaf(*shape)
     LU, piv, info = torch.linalg.lu_factor_ex(A)
     n = LU.grad_fn
-    g = rand_like(LU)
-    got = L.lu_factor_ex_backward(g, sv(n, "LU"), sv(n, "pivots"), sv(n, "pivot"))
-    check([got], live(n, g))
+    g = rnd(LU)
+    got = L.lu_factor_ex_backward(g, saved(n, "LU"), saved(n, "pivots"), saved(n, "pivot"))
+    check_grads([got], live(n, g))
 
 
 @pytest.mark.parametrize("left", [True, False])
@@ -366,10 +333,10 @@ def test_lu_solve_LU(left, adjoint, dtype):
     B = leaf(2, 4, 3, dtype=dtype) if left else leaf(2, 3, 4, dtype=dtype)
     out = torch.linalg.lu_solve(LU, piv, B, left=left, adjoint=adjoint)
     n = out.grad_fn
-    g = rand_like(out)
-    got = L.linalg_lu_solve_LU(g, sv(n, "LU"), sv(n, "pivots"), sv(n, "result"), sv(n, "left"), sv(n, "adjoint"))
+    g = rnd(out)
+    got = L.linalg_lu_solve_LU(g, saved(n, "LU"), saved(n, "pivots"), saved(n, "result"), saved(n, "left"), saved(n, "adjoint"))
     ref = live(n, g)  # edges: LU, B
-    check([got], ref[:1])
+    check_grads([got], ref[:1])
 
 
 @pytest.mark.parametrize("shape", [(4, 4), (2, 3, 5), (5, 3)])
@@ -379,10 +346,10 @@ def test_lu_unpack(shape, which):
     LU.requires_grad_()
     P, Lo, U = torch.lu_unpack(LU, piv)
     n = Lo.grad_fn
-    gL = rand_like(Lo) if which in ("both", "L") else None
-    gU = rand_like(U) if which in ("both", "U") else None
-    got = L.lu_unpack_backward(gL, gU, sv(n, "LU_data_sym_argsize_minus_2"), sv(n, "LU_data_sym_argsize_minus_1"))
-    check([got], live(n, gL, gU))
+    gL = rnd(Lo) if which in ("both", "L") else None
+    gU = rnd(U) if which in ("both", "U") else None
+    got = L.lu_unpack_backward(gL, gU, saved(n, "LU_data_sym_argsize_minus_2"), saved(n, "LU_data_sym_argsize_minus_1"))
+    check_grads([got], live(n, gL, gU))
     assert L.lu_unpack_backward(None, None, 3, 3) is None
 
 
@@ -399,12 +366,12 @@ def test_triangular_solve(upper, transpose, unitriangular, which):
     b = leaf(2, 3, 4)
     x, m = torch.triangular_solve(b, a, upper=upper, transpose=transpose, unitriangular=unitriangular)
     n = x.grad_fn
-    gx = rand_like(x) if which in ("x", "both") else None
-    gm = rand_like(m) if which in ("m", "both") else None
+    gx = rnd(x) if which in ("x", "both") else None
+    gm = rnd(m) if which in ("m", "both") else None
     got = L.triangular_solve_backward(
-        gx, gm, sv(n, "self"), sv(n, "A"), sv(n, "solution"), upper, transpose, unitriangular, (True, True)
+        gx, gm, saved(n, "self"), saved(n, "A"), saved(n, "solution"), upper, transpose, unitriangular, (True, True)
     )
-    check(list(got), live(n, gx, gm))
+    check_grads(list(got), live(n, gx, gm))
     assert L.triangular_solve_backward(None, None, b, a, x, upper, transpose, unitriangular, (True, True)) == (None, None)
 
 
@@ -419,10 +386,10 @@ def test_solve_triangular(upper, left, unitriangular, mask):
     B.requires_grad_(mask[1])
     out = torch.linalg.solve_triangular(A, B, upper=upper, left=left, unitriangular=unitriangular)
     n = out.grad_fn
-    g = rand_like(out)
-    got = L.linalg_solve_triangular_backward(g, sv(n, "self"), sv(n, "result"), upper, left, unitriangular, mask)
+    g = rnd(out)
+    got = L.linalg_solve_triangular_backward(g, saved(n, "self"), saved(n, "result"), upper, left, unitriangular, mask)
     ref = live(n, g)
-    check([t for t, k in zip(got, mask) if k], [r for r, k in zip(ref, mask) if k] if len(ref) == 2 else ref)
+    check_grads([t for t, k in zip(got, mask) if k], [r for r, k in zip(ref, mask) if k] if len(ref) == 2 else ref)
     assert L.linalg_solve_triangular_backward(None, A, out, upper, left, unitriangular, mask) == (None, None)
 
 
@@ -444,12 +411,12 @@ def test_linalg_solve(grad_mode, case, dtype):
     }[case]()
     out = torch.linalg.solve(A, B, left=left)
     n = out.grad_fn
-    g = rand_like(out)
+    g = rnd(out)
     got = mine(
-        L.linalg_solve_backward, g, sv(n, "result"), sv(n, "A"), sv(n, "LU"), sv(n, "pivots"), sv(n, "left"), True,
+        L.linalg_solve_backward, g, saved(n, "result"), saved(n, "A"), saved(n, "LU"), saved(n, "pivots"), saved(n, "left"), True,
         grad_mode=grad_mode,
     )
-    check(got, live(n, g, grad_mode=grad_mode))
+    check_grads(got, live(n, g, grad_mode=grad_mode))
 
 
 def test_linalg_solve_A_no_grad():
@@ -457,10 +424,10 @@ def test_linalg_solve_A_no_grad():
     B = leaf(3, 2)
     out = torch.linalg.solve(A, B)
     n = out.grad_fn
-    g = rand_like(out)
-    got = mine(L.linalg_solve_backward, g, sv(n, "result"), sv(n, "A"), sv(n, "LU"), sv(n, "pivots"), True, True)
+    g = rnd(out)
+    got = mine(L.linalg_solve_backward, g, saved(n, "result"), saved(n, "A"), saved(n, "LU"), saved(n, "pivots"), True, True)
     assert got[0] is None
-    check(got, live(n, g))
+    check_grads(got, live(n, g))
     assert L.linalg_solve_backward(None, out, A, A, A, True, True) == (None, None)
 
 
@@ -472,13 +439,13 @@ def test_lstsq(shape, which, mask):
     B = torch.randn(shape[1], dtype=D).requires_grad_(mask[1])
     X, res, rank, sing = torch.linalg.lstsq(A, B, driver="gelsd")
     n = X.grad_fn
-    gX = rand_like(X) if which in ("both", "X") else None
-    gres = rand_like(res) if which in ("both", "res") else None
-    got = L.linalg_lstsq_backward(gX, gres, sv(n, "self"), sv(n, "b"), sv(n, "solution"), mask)
+    gX = rnd(X) if which in ("both", "X") else None
+    gres = rnd(res) if which in ("both", "res") else None
+    got = L.linalg_lstsq_backward(gX, gres, saved(n, "self"), saved(n, "b"), saved(n, "solution"), mask)
     if gX is None and res.numel() == 0:
         assert got == (None, None)
         return
-    check(list(got), live(n, gX, gres))
+    check_grads(list(got), live(n, gX, gres))
 
 
 # --------------------------------------------------------------------------- householder / ormqr
@@ -493,9 +460,9 @@ def test_householder_product(shape, k, grad_mode, dtype):
     tau = tau[..., :k].contiguous().requires_grad_()
     out = torch.linalg.householder_product(V, tau)
     n = out.grad_fn
-    g = rand_like(out)
-    got = mine(L.householder_product_backward, g, sv(n, "result"), sv(n, "input"), sv(n, "tau"), grad_mode=grad_mode)
-    check(got, live(n, g, grad_mode=grad_mode))
+    g = rnd(out)
+    got = mine(L.householder_product_backward, g, saved(n, "result"), saved(n, "input"), saved(n, "tau"), grad_mode=grad_mode)
+    check_grads(got, live(n, g, grad_mode=grad_mode))
 
 
 def test_householder_product_trivial():
@@ -514,9 +481,9 @@ def test_ormqr(left, transpose, dtype):
     Cm = leaf(2, 4, 5, dtype=dtype) if left else leaf(2, 5, 4, dtype=dtype)
     out = torch.ormqr(V, tau, Cm, left=left, transpose=transpose)
     n = out.grad_fn
-    g = rand_like(out)
-    got = L.ormqr_backward(g, sv(n, "result"), sv(n, "self"), sv(n, "input2"), sv(n, "input3"), left, transpose, (True, True, True))
-    check(list(got), live(n, g))
+    g = rnd(out)
+    got = L.ormqr_backward(g, saved(n, "result"), saved(n, "self"), saved(n, "input2"), saved(n, "input3"), left, transpose, (True, True, True))
+    check_grads(list(got), live(n, g))
     assert L.ormqr_backward(None, out, V, tau, Cm, left, transpose, (True, True, True)) == (None, None, None)
 
 
@@ -528,8 +495,8 @@ def test_matrix_exp(dtype):
     A = leaf(2, 3, 3, dtype=dtype)
     out = torch.linalg.matrix_exp(A)
     n = out.grad_fn
-    g = rand_like(out)
-    check([L.linalg_matrix_exp_differential(sv(n, "self"), g, True)], live(n, g))
+    g = rnd(out)
+    check_grads([L.linalg_matrix_exp_differential(saved(n, "self"), g, True)], live(n, g))
     # forward-mode differential against jvp
     _, t = torch.func.jvp(torch.linalg.matrix_exp, (A.detach(),), (g,))
     assert_close(L.linalg_matrix_exp_differential(A.detach(), g, False), t)
@@ -545,11 +512,11 @@ def test_trilinear(mask):
     while type(n).__name__ != "TrilinearBackward0":
         n = n.next_functions[0][0]
     g = torch.randn(n._saved_i1.shape[0], 2, dtype=D)  # bilinear's trilinear output is (N, O)
-    args = [sv(n, x) for x in ("i1", "i2", "i3", "expand1", "expand2", "expand3", "sumdim")]
+    args = [saved(n, x) for x in ("i1", "i2", "i3", "expand1", "expand2", "expand3", "sumdim")]
     imask = (mask[0], mask[1], mask[2])  # bilinear calls _trilinear(x1, W, x2, ...)
     got = L._trilinear_backward(g, *args, imask)
     ref = live(n, g)
-    check([t for t, k in zip(got, imask) if k], [r for r in ref if r is not None])
+    check_grads([t for t, k in zip(got, imask) if k], [r for r in ref if r is not None])
     assert L._trilinear_backward(None, *args, imask) == (None, None, None)
 
 
@@ -560,9 +527,9 @@ def test_euclidean_dist():
     x2.requires_grad_()
     out = torch._euclidean_dist(x1, x2)
     n = out.grad_fn
-    g = rand_like(out)
-    got = L._euclidean_dist_backward(g, sv(n, "x1"), sv(n, "x2"), sv(n, "result"))
-    check(list(got), live(n, g))
+    g = rnd(out)
+    got = L._euclidean_dist_backward(g, saved(n, "x1"), saved(n, "x2"), saved(n, "result"))
+    check_grads(list(got), live(n, g))
     assert L._euclidean_dist_backward(None, x1, x2, out) == (None, None)
 
 
@@ -580,11 +547,11 @@ def test_make_fx_symbolic():
     V, tau = torch.geqrf(torch.randn(5, 3, dtype=D))
     Qh = torch.linalg.householder_product(V, tau)
     cases = [
-        (lambda g, m2: L.mm_mat1_backward(g, m2, (4, 3), (3, 1), torch.strided, 2.0), (rand_like(A), torch.randn(3, 4, dtype=D))),
-        (lambda gU, gS, U, S, Vh: L.svd_backward(gU, gS, None, U, S, Vh), (rand_like(U), rand_like(S), U, S, Vh)),
-        (lambda gQ, gR, Q, R: L.linalg_qr_backward(gQ, gR, Q, R, "reduced"), (rand_like(Q), rand_like(R), Q, R)),
+        (lambda g, m2: L.mm_mat1_backward(g, m2, (4, 3), (3, 1), torch.strided, 2.0), (rnd(A), torch.randn(3, 4, dtype=D))),
+        (lambda gU, gS, U, S, Vh: L.svd_backward(gU, gS, None, U, S, Vh), (rnd(U), rnd(S), U, S, Vh)),
+        (lambda gQ, gR, Q, R: L.linalg_qr_backward(gQ, gR, Q, R, "reduced"), (rnd(Q), rnd(R), Q, R)),
         (lambda g, d, A, LU, p: L.linalg_det_backward(g, d, A, LU, p), (torch.ones((), dtype=D), torch.linalg.det(A), A, LU, piv)),
-        (lambda g, r, V, t: L.householder_product_backward(g, r, V, t), (rand_like(Qh), Qh, V, tau)),
+        (lambda g, r, V, t: L.householder_product_backward(g, r, V, t), (rnd(Qh), Qh, V, tau)),
     ]
     for f, args in cases:
         with torch.no_grad():

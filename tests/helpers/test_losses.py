@@ -7,6 +7,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import assert_close
 
+from tests.helpers.live import leaf, live_from_output, saved
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers import losses as L
 
@@ -14,24 +15,8 @@ D = torch.float64
 REDUCTIONS = [0, 1, 2]  # none, mean, sum
 
 
-def leaf(*shape, dtype=D, data=None):
-    t = torch.randn(shape, dtype=dtype) if data is None else torch.tensor(data, dtype=dtype)
-    return t.requires_grad_()
-
-
 def prob(*shape):
     return (torch.rand(shape, dtype=D) * 0.9 + 0.05).requires_grad_()
-
-
-def saved(node, name):
-    return getattr(node, "_saved_" + name)
-
-
-def live(out):
-    node = out.grad_fn
-    g = torch.randn_like(out)
-    res = node(g)
-    return node, g, res if isinstance(res, tuple) else (res,)
 
 
 def check(got, want):
@@ -61,7 +46,7 @@ def test_binary_cross_entropy_target_backward(reduction, weighted):
     x, y = prob(3, 4), prob(3, 4)
     w = torch.rand(3, 4, dtype=D) if weighted else None
     out = torch.ops.aten.binary_cross_entropy(x, y, w, reduction)
-    node, g, (wx, wy) = live(out)
+    node, (g,), (wx, wy) = live_from_output(out)
     got = L.binary_cross_entropy_target_backward(g, saved(node, "self"), saved(node, "target"),
                                                  saved(node, "weight"), saved(node, "reduction"))
     check(got, wy)
@@ -74,7 +59,7 @@ def test_binary_cross_entropy_double_backward(reduction, weighted):
     w = torch.rand(3, 4, dtype=D) if weighted else None
     go = leaf(*([] if reduction else [3, 4]))
     out = torch.ops.aten.binary_cross_entropy_backward(go, x, y, w, reduction)
-    node, g, (w_go, w_x, w_y) = live(out)
+    node, (g,), (w_go, w_x, w_y) = live_from_output(out)
     args = (saved(node, "self"), saved(node, "target"), saved(node, "weight"), saved(node, "reduction"))
     check(L.binary_cross_entropy_double_backward_grad_output(g, *args), w_go)
     check(L.binary_cross_entropy_double_backward(saved(node, "grad_output"), g, *args), w_x)
@@ -85,7 +70,7 @@ def test_binary_cross_entropy_double_backward_target_clamps():
     x = leaf(data=[0.0, 1.0, 0.5])
     y, go = prob(3), leaf(3)
     out = torch.ops.aten.binary_cross_entropy_backward(go, x, y, None, 0)
-    node, g, (_, _, w_y) = live(out)
+    node, (g,), (_, _, w_y) = live_from_output(out)
     got = L.binary_cross_entropy_double_backward_target(g, saved(node, "grad_output"), saved(node, "self"),
                                                        saved(node, "target"), None, 0)
     check(got, w_y)
@@ -100,7 +85,7 @@ def test_binary_cross_entropy_with_logits_backward(reduction, weighted, pos):
     pw = torch.rand(4, dtype=D) + 0.5 if pos else None
     out = torch.nn.functional.binary_cross_entropy_with_logits(
         x, y, w, reduction=["none", "mean", "sum"][reduction], pos_weight=pw)
-    node, g, (wx, wy) = live(out)
+    node, (g,), (wx, wy) = live_from_output(out)
     args = (saved(node, "self"), saved(node, "target"), saved(node, "weight"), saved(node, "pos_weight"),
             saved(node, "reduction"))
     check(L.binary_cross_entropy_with_logits_backward(g, *args), wx)
@@ -112,7 +97,7 @@ def test_mse_loss_double_backward(reduction):
     x, y = leaf(3, 4), leaf(3, 4)
     go = leaf(*([] if reduction else [3, 4]))
     out = torch.ops.aten.mse_loss_backward(go, x, y, reduction)
-    node, g, (_, w_x, w_y) = live(out)
+    node, (g,), (_, w_x, w_y) = live_from_output(out)
     gg = g * saved(node, "grad_output")
     check(L.mse_loss_double_backward(gg, saved(node, "self"), saved(node, "reduction")), w_x)
     check(-L.mse_loss_double_backward(gg, saved(node, "target"), saved(node, "reduction")), w_y)
@@ -124,7 +109,7 @@ def test_smooth_l1_loss_double_backward(reduction, beta):
     x, y = leaf(3, 4), leaf(3, 4)
     go = leaf(*([] if reduction else [3, 4]))
     out = torch.ops.aten.smooth_l1_loss_backward(go, x, y, reduction, beta)
-    node, g, (_, w_x, w_y) = live(out)
+    node, (g,), (_, w_x, w_y) = live_from_output(out)
     gg = g * saved(node, "grad_output")
     args = (saved(node, "self"), saved(node, "target"), saved(node, "reduction"), saved(node, "beta"))
     check(L.smooth_l1_loss_double_backward(gg, *args), w_x)
@@ -137,7 +122,7 @@ def test_huber_loss_double_backward(reduction, delta):
     x, y = leaf(3, 4), leaf(3, 4)
     go = leaf(*([] if reduction else [3, 4]))
     out = torch.ops.aten.huber_loss_backward(go, x, y, reduction, delta)
-    node, g, (w_go, w_x, w_y) = live(out)
+    node, (g,), (w_go, w_x, w_y) = live_from_output(out)
     gg = g * saved(node, "grad_output")
     args = (saved(node, "self"), saved(node, "target"), saved(node, "reduction"), saved(node, "delta"))
     check(L.huber_loss_double_backward_grad_output(g, saved(node, "grad_output"), *args), w_go)
@@ -151,7 +136,7 @@ def test_soft_margin_loss_double_backward(reduction):
     y = torch.randint(0, 2, (3, 4)).to(D) * 2 - 1
     go = leaf(*([] if reduction else [3, 4]))
     out = torch.ops.aten.soft_margin_loss_backward(go, x, y, reduction)
-    node, g, res = live(out)
+    node, (g,), res = live_from_output(out)
     w_go, w_x = res[0], res[1]
     args = (saved(node, "self"), saved(node, "target"), saved(node, "reduction"))
     check(L.soft_margin_loss_double_backward_grad_output(g, saved(node, "grad_output"), *args), w_go)

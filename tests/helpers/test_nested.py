@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch.testing import assert_close
 
+from tests.helpers.live import saved
+from tests.helpers.live import seeded_quiet  # noqa: F401 (autouse fixture)
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers import nested as NT
 
 D = torch.float64
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # nested tensors are "prototype" warnings
-        yield
-
-
-def sv(node, name):
-    return getattr(node, "_saved_" + name)
-
-
-def signed(v):
-    return v - (1 << 64) if v >= (1 << 63) else v
 
 
 def live(node, *grads):
@@ -69,10 +53,10 @@ def test_unbind_backward_nested_jagged(defined):
     node = parts[0].grad_fn
     assert type(node).__name__ == "UnbindBackwardAutogradNestedTensor0"
     grads = [torch.randn_like(p) if d else None for p, d in zip(parts, defined)]
-    got = NT.unbind_backward_nested_jagged(grads, sv(node, "self"), signed(sv(node, "dim")))
+    got = NT.unbind_backward_nested_jagged(grads, saved(node, "self"), saved(node, "dim"))
     same_nested(got, live(node, *grads))
     with pytest.raises(AssertionError):
-        NT.unbind_backward_nested_jagged(grads, sv(node, "self"), 1)
+        NT.unbind_backward_nested_jagged(grads, saved(node, "self"), 1)
 
 
 # --------------------------------------------------------------------------- chunk (jagged)
@@ -88,7 +72,7 @@ def test_chunk_backward_nested(chunks, dim, drop):
     grads = [torch.randn_like(p) for p in parts]
     if drop is not None:
         grads[drop] = None
-    got = NT.chunk_backward_nested(grads, sv(node, "self"), sv(node, "chunks"), signed(sv(node, "dim")))
+    got = NT.chunk_backward_nested(grads, saved(node, "self"), saved(node, "chunks"), saved(node, "dim"))
     same_nested(got, live(node, *grads))
 
 
@@ -115,7 +99,7 @@ def test_nested_from_padded_backward(fuse, padded_shape, sizes):
     node = y.grad_fn
     assert type(node).__name__ == "NestedFromPaddedBackward0"
     g = torch.nested.nested_tensor([torch.randn(s, dtype=D) for s in sizes])
-    got = NT._nested_from_padded_backward(g, sv(node, "padded"), sv(node, "fuse_transform_0213"))
+    got = NT._nested_from_padded_backward(g, saved(node, "padded"), saved(node, "fuse_transform_0213"))
     ref = live(node, g)
     assert got.shape == ref.shape == padded.shape
     assert_close(got, ref)

@@ -2,47 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from tests.helpers.live import check_grads, live, rnd, saved
+from tests.helpers.live import seeded  # noqa: F401 (autouse fixture)
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers import nn as NN
 
 D = torch.float64
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-def sv(node, name):
-    return getattr(node, "_saved_" + name)
-
-
-def live(node, *grads, grad_mode=False):
-    ctx = contextlib.nullcontext() if grad_mode else torch.no_grad()
-    with ctx:
-        out = node(*grads)
-    return list(out) if isinstance(out, tuple) else [out]
-
-
-def check(got, ref):
-    assert len(got) == len(ref)
-    for g, r in zip(got, ref):
-        if r is None:
-            assert g is None
-        else:
-            assert g is not None
-            assert_close(g, r)
-
-
-def rnd(t):
-    return torch.randn(t.shape, dtype=t.dtype)
 
 
 def test_all_registered():
@@ -94,8 +64,8 @@ def test_max_pool_double_backward(name, fn, shape, dim, channels_last):
     gx, n = _double_backward_node(fn, x)
     gg = rnd(gx)
     ref = live(n, gg)  # edges: grad_output, self
-    got = NN.max_pool_double_backward(gg, sv(n, "indices"), dim)
-    check([got], ref[:1])
+    got = NN.max_pool_double_backward(gg, saved(n, "indices"), dim)
+    check_grads([got], ref[:1])
 
 
 def test_max_unpool():
@@ -105,21 +75,21 @@ def test_max_unpool():
     out = F.max_unpool2d(y, idx, 2)
     n = out.grad_fn
     g = rnd(out)
-    check([NN.max_pool_double_backward(g, sv(n, "indices"), 2)], live(n, g))
+    check_grads([NN.max_pool_double_backward(g, saved(n, "indices"), 2)], live(n, g))
     x3 = torch.randn(1, 2, 4, 4, 4, dtype=D)
     y3, idx3 = F.max_pool3d(x3, 2, return_indices=True)
     y3.requires_grad_()
     out3 = F.max_unpool3d(y3, idx3, 2)
     n3 = out3.grad_fn
     g3 = rnd(out3)
-    check([NN.max_pool_double_backward(g3, sv(n3, "indices"), 3)], live(n3, g3))
+    check_grads([NN.max_pool_double_backward(g3, saved(n3, "indices"), 3)], live(n3, g3))
 
 
 def test_max_pool_double_backward_empty():
     x = torch.randn(0, 3, 4, 4, dtype=D, requires_grad=True)
     gx, n = _double_backward_node(lambda x: F.max_pool2d(x, 2, return_indices=True), x)
     gg = rnd(gx)
-    got = NN.max_pool_double_backward(gg, sv(n, "indices"), 2)
+    got = NN.max_pool_double_backward(gg, saved(n, "indices"), 2)
     ref = live(n, gg)[0]
     assert got.shape == ref.shape and got.dtype == ref.dtype
 
@@ -187,10 +157,10 @@ def test_fft_r2c(n_last, norm, kind):
     while type(n).__name__ != "FftR2CBackward0":
         n = n.next_functions[0][0]
     g = torch.randn(y.shape, dtype=y.dtype)
-    self_ = sv(n, "self")
-    dim = sv(n, "dim")
-    got = NN.fft_r2c_backward(g, dim, sv(n, "normalization"), sv(n, "onesided"), self_.shape[dim[-1]])
-    check([got], live(n, g))
+    self_ = saved(n, "self")
+    dim = saved(n, "dim")
+    got = NN.fft_r2c_backward(g, dim, saved(n, "normalization"), saved(n, "onesided"), self_.shape[dim[-1]])
+    check_grads([got], live(n, g))
 
 
 @pytest.mark.parametrize("n_out", [6, 7, 1])
@@ -206,8 +176,8 @@ def test_fft_c2r(n_out, norm, kind):
     while type(n).__name__ != "FftC2RBackward0":
         n = n.next_functions[0][0]
     g = torch.randn(y.shape, dtype=y.dtype)
-    got = NN.fft_c2r_backward(g, sv(n, "dim"), sv(n, "normalization"))
-    check([got], live(n, g))
+    got = NN.fft_c2r_backward(g, saved(n, "dim"), saved(n, "normalization"))
+    check_grads([got], live(n, g))
 
 
 # --------------------------------------------------------------------------- dropout
@@ -219,10 +189,10 @@ def test_native_dropout(p, train):
     y, mask = torch.native_dropout(x, p, train)
     n = y.grad_fn
     g = rnd(y)
-    p_, t_ = sv(n, "p"), train  # optional<bool> train is not exposed on the node
+    p_, t_ = saved(n, "p"), train  # optional<bool> train is not exposed on the node
     scale = 1 if (t_ is None or not t_) else (0.0 if p_ == 1 else 1.0 / (1.0 - p_))
-    got = NN.infinitely_differentiable_native_dropout_backward(g, sv(n, "result1"), scale)
-    check([got], live(n, g, grad_mode=True))
+    got = NN.infinitely_differentiable_native_dropout_backward(g, saved(n, "result1"), scale)
+    check_grads([got], live(n, g, grad_mode=True))
 
 
 def test_native_dropout_double_backward():
@@ -231,8 +201,8 @@ def test_native_dropout_double_backward():
     gi = torch.ops.aten.native_dropout_backward(gO, mask, 1 / 0.7)
     n = gi.grad_fn
     gg = rnd(gi)
-    got = NN.native_dropout_double_backward(gg, sv(n, "grad_output"), sv(n, "mask"), sv(n, "scale"))
-    check([got], live(n, gg)[:1])
+    got = NN.native_dropout_double_backward(gg, saved(n, "grad_output"), saved(n, "mask"), saved(n, "scale"))
+    check_grads([got], live(n, gg)[:1])
     # ggI of another dtype is cast to grad's
     got32 = NN.native_dropout_double_backward(gg.float(), gO, mask, 1 / 0.7)
     assert got32.dtype == D
@@ -283,8 +253,8 @@ def _gs_node(dims, im, pm, ac, grid_requires_grad=True):
 
 def _gs_args(n, ggI, ggG, mask):
     return (
-        ggI, ggG, sv(n, "grad_output"), sv(n, "input"), sv(n, "grid"), sv(n, "interpolation_mode"),
-        sv(n, "padding_mode"), sv(n, "align_corners"), mask,
+        ggI, ggG, saved(n, "grad_output"), saved(n, "input"), saved(n, "grid"), saved(n, "interpolation_mode"),
+        saved(n, "padding_mode"), saved(n, "align_corners"), mask,
     )
 
 
@@ -298,25 +268,25 @@ def test_grid_sampler_double_backward(dims, im, pm, ac, which):
     ggG = rnd(gg) if "G" in which else None
     fn = NN.grid_sampler_2d_double_backward if dims == 2 else NN.grid_sampler_3d_double_backward
     got = fn(*_gs_args(n, ggI, ggG, (True, True, True)))
-    check(list(got), live(n, ggI, ggG))
+    check_grads(list(got), live(n, ggI, ggG))
 
 
 def test_grid_sampler_double_backward_mask():
     (gx,), n = _gs_node(2, 0, 0, False, grid_requires_grad=False)
     ggI = rnd(gx)
     got = NN.grid_sampler_2d_double_backward(*_gs_args(n, ggI, None, (True, True, False)))
-    check(list(got), live(n, ggI, None))
+    check_grads(list(got), live(n, ggI, None))
 
 
 def test_grid_sampler_make_fx_symbolic():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     (gx, gg), n = _gs_node(2, 0, 2, False)
-    args = (rnd(gx), rnd(gg), sv(n, "grad_output"), sv(n, "input"), sv(n, "grid"))
+    args = (rnd(gx), rnd(gg), saved(n, "grad_output"), saved(n, "input"), saved(n, "grid"))
 
     def f(a, b, c, d, e):
         return NN.grid_sampler_2d_double_backward(a, b, c, d, e, 0, 2, False, (True, True, True))
 
     with torch.no_grad():
         gm = make_fx(f, tracing_mode="symbolic")(*args)
-        check(list(gm(*args)), list(f(*args)))
+        check_grads(list(gm(*args)), list(f(*args)))

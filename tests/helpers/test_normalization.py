@@ -9,40 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from tests.helpers.live import check_grads, live, rnd, saved
+from tests.helpers.live import seeded  # noqa: F401 (autouse fixture)
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers import normalization as NM
 
 D = torch.float64
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-def sv(node, name):
-    return getattr(node, "_saved_" + name)
-
-
-def live(node, *grads, grad_mode=False):
-    ctx = contextlib.nullcontext() if grad_mode else torch.no_grad()
-    with ctx:
-        out = node(*grads)
-    return list(out) if isinstance(out, tuple) else [out]
-
-
-def check(got, ref):
-    assert len(got) == len(ref)
-    for g, r in zip(got, ref):
-        if r is None:
-            assert g is None
-        else:
-            assert g is not None
-            assert_close(g, r)
-
-
-def rnd(t):
-    return torch.randn(t.shape, dtype=t.dtype)
 
 
 def test_all_registered():
@@ -86,12 +58,12 @@ def test_batchnorm_double_backward(shape, training, which):
     if all(g is None for g in gg):
         pytest.skip("nothing to propagate")
     got = NM.batchnorm_double_backward(
-        sv(n, "input"), sv(n, "weight"), *gg, sv(n, "grad_out"), sv(n, "running_mean"), sv(n, "running_var"),
-        sv(n, "train"), sv(n, "eps"), sv(n, "save_mean"), sv(n, "save_invstd"), (True, True, True),
+        saved(n, "input"), saved(n, "weight"), *gg, saved(n, "grad_out"), saved(n, "running_mean"), saved(n, "running_var"),
+        saved(n, "train"), saved(n, "eps"), saved(n, "save_mean"), saved(n, "save_invstd"), (True, True, True),
     )
     ref = live(n, *gg)  # edges: grad_out, input, weight, save_mean, save_invstd
     gI, gG, ggO = got
-    check([ggO, gI, gG], ref[:3])
+    check_grads([ggO, gI, gG], ref[:3])
 
 
 @pytest.mark.parametrize("training", [True, False])
@@ -99,18 +71,18 @@ def test_batchnorm_double_backward_no_affine(training):
     n, gg = _bn_double((4, 3, 5), training, False, "I")
     ggI = gg[0]
     got = NM.batchnorm_double_backward(
-        sv(n, "input"), sv(n, "weight"), ggI, None, None, sv(n, "grad_out"), sv(n, "running_mean"),
-        sv(n, "running_var"), sv(n, "train"), sv(n, "eps"), sv(n, "save_mean"), sv(n, "save_invstd"),
+        saved(n, "input"), saved(n, "weight"), ggI, None, None, saved(n, "grad_out"), saved(n, "running_mean"),
+        saved(n, "running_var"), saved(n, "train"), saved(n, "eps"), saved(n, "save_mean"), saved(n, "save_invstd"),
         (True, False, True),
     )
     ref = live(n, ggI, None, None)
     gI, gG, ggO = got
     assert gG is None
-    check([ggO, gI], ref[:2])
+    check_grads([ggO, gI], ref[:2])
     with pytest.raises(AssertionError):
         NM.batchnorm_double_backward(
-            sv(n, "input"), None, ggI, None, None, sv(n, "grad_out"), sv(n, "running_mean"),
-            sv(n, "running_var"), sv(n, "train"), sv(n, "eps"), sv(n, "save_mean"), sv(n, "save_invstd"),
+            saved(n, "input"), None, ggI, None, None, saved(n, "grad_out"), saved(n, "running_mean"),
+            saved(n, "running_var"), saved(n, "train"), saved(n, "eps"), saved(n, "save_mean"), saved(n, "save_invstd"),
             (True, True, True),
         )
 
@@ -136,15 +108,15 @@ def test_layer_norm_double_backward(shape, norm, affine, which):
     if ggI is None and ggG is None and ggB is None:
         pytest.skip("nothing to propagate")
     got = NM.layer_norm_double_backward(
-        sv(n, "input"), sv(n, "weight"), ggI, ggG, ggB, sv(n, "grad_out"), sv(n, "mean"), sv(n, "rstd"),
-        sv(n, "normalized_shape"), (True, affine, True),
+        saved(n, "input"), saved(n, "weight"), ggI, ggG, ggB, saved(n, "grad_out"), saved(n, "mean"), saved(n, "rstd"),
+        saved(n, "normalized_shape"), (True, affine, True),
     )
     ref = live(n, ggI, ggG, ggB)
     # edges: grad_out, input, mean, rstd, weight, bias
     gI, gG, ggO = got
-    check([ggO, gI], ref[:2])
+    check_grads([ggO, gI], ref[:2])
     if affine:
-        check([gG], ref[4:5])
+        check_grads([gG], ref[4:5])
 
 
 # --------------------------------------------------------------------------- group norm
@@ -161,8 +133,8 @@ def _gn(shape, G, affine):
 
 def _gn_args(n, dY, dmean, drstd, mask):
     return (
-        dY, dmean, drstd, sv(n, "input"), sv(n, "result1"), sv(n, "result2"), sv(n, "weight"),
-        sv(n, "N"), sv(n, "C"), sv(n, "HxW"), sv(n, "group"), sv(n, "eps"), mask,
+        dY, dmean, drstd, saved(n, "input"), saved(n, "result1"), saved(n, "result2"), saved(n, "weight"),
+        saved(n, "N"), saved(n, "C"), saved(n, "HxW"), saved(n, "group"), saved(n, "eps"), mask,
     )
 
 
@@ -181,7 +153,7 @@ def test_group_norm(shape, G, affine, which, grad_mode):
     with contextlib.nullcontext() if grad_mode else torch.no_grad():
         got = NM.infinitely_differentiable_native_group_norm_backward(*_gn_args(n, dY, dmean, drstd, mask))
     ref = live(n, dY, dmean, drstd, grad_mode=grad_mode)
-    check(list(got) if affine else [got[0]], ref if affine else ref[:1])
+    check_grads(list(got) if affine else [got[0]], ref if affine else ref[:1])
 
 
 def test_group_norm_mask():
@@ -215,7 +187,7 @@ def test_rms_norm(shape, norm, affine, which):
     if affine and dY is None:
         assert got[1] is None
         ref = (ref[0], None)
-    check(list(got) if affine else [got[0]], list(ref))
+    check_grads(list(got) if affine else [got[0]], list(ref))
 
 
 def test_make_fx_symbolic():

@@ -9,44 +9,12 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import assert_close
 
+from tests.helpers.live import as_tuple, check_grad, leaf, live_from_output, saved
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers import pointwise as P
 
 D = torch.float64
 C = torch.complex128
-
-
-def leaf(*shape, dtype=D, data=None):
-    t = torch.randn(shape, dtype=dtype) if data is None else torch.tensor(data, dtype=dtype)
-    return t.requires_grad_()
-
-
-def saved(node, name):
-    """``node._saved_<name>``; negative int64 values read back as unsigned, so fix them."""
-    v = getattr(node, "_saved_" + name)
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 2**63:
-        return v - 2**64
-    return v
-
-
-def _as_tuple(res):
-    return res if isinstance(res, tuple) else (res,)
-
-
-def live(out, *grads):
-    node = out.grad_fn
-    if not grads:
-        grads = (torch.randn_like(out),)
-    return node, grads, _as_tuple(node(*grads))
-
-
-def check(got, want, **kw):
-    if want is None:
-        assert got is None
-        return
-    assert got is not None
-    assert got.dtype == want.dtype, (got.dtype, want.dtype)
-    assert_close(got, want, equal_nan=True, **kw)
 
 
 def test_registered_names():
@@ -71,9 +39,9 @@ def test_registered_names():
 def test_add_handle_r_to_c_maybe_multiply(alpha):
     a, b = leaf(3), leaf(3, dtype=C)
     out = torch.add(a, b, alpha=alpha)
-    node, (g,), (wa, wb) = live(out)
-    check(P.handle_r_to_c(a.dtype, g), wa)
-    check(P.handle_r_to_c(b.dtype, P.maybe_multiply(g, P._conj(saved(node, "alpha")))), wb)
+    node, (g,), (wa, wb) = live_from_output(out)
+    check_grad(P.handle_r_to_c(a.dtype, g), wa)
+    check_grad(P.handle_r_to_c(b.dtype, P.maybe_multiply(g, P._conj(saved(node, "alpha")))), wb)
 
 
 def test_maybe_multiply_identity():
@@ -99,36 +67,36 @@ def test_handle_r_to_c_tensor_overload():
 def test_mul_tensor_backward(da, db):
     a, b = leaf(2, 3, dtype=da), leaf(2, 3, dtype=db)
     out = a * b
-    node, (g,), (wa, wb) = live(out)
-    check(P.mul_tensor_backward(g, saved(node, "other"), a.dtype), wa)
-    check(P.mul_tensor_backward(g, saved(node, "self"), b.dtype), wb)
+    node, (g,), (wa, wb) = live_from_output(out)
+    check_grad(P.mul_tensor_backward(g, saved(node, "other"), a.dtype), wa)
+    check_grad(P.mul_tensor_backward(g, saved(node, "self"), b.dtype), wb)
 
 
 @pytest.mark.parametrize("dtype,other", [(D, 2.5), (D, 3), (D, 1j + 2), (C, 2.0 - 1j)])
 def test_mul_scalar_backward(dtype, other):
     a = leaf(4, dtype=dtype)
     out = torch.ops.aten.mul.Scalar(a, other)  # torch.mul wraps the scalar: MulBackward0
-    node, (g,), (want,) = live(out)
-    check(P.mul_tensor_backward(g, saved(node, "other"), a.dtype), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(P.mul_tensor_backward(g, saved(node, "other"), a.dtype), want)
 
 
 @pytest.mark.parametrize("da,db", [(D, D), (D, C), (C, D)])
 def test_div_tensor_backward(da, db):
     a, b = leaf(2, 3, dtype=da), leaf(2, 3, dtype=db)
     out = a / b
-    node, (g,), (wa, wb) = live(out)
-    check(P.div_tensor_self_backward(g, saved(node, "other"), a.dtype), wa)
-    check(P.div_tensor_other_backward(g, saved(node, "self"), saved(node, "other")), wb)
+    node, (g,), (wa, wb) = live_from_output(out)
+    check_grad(P.div_tensor_self_backward(g, saved(node, "other"), a.dtype), wa)
+    check_grad(P.div_tensor_other_backward(g, saved(node, "self"), saved(node, "other")), wb)
 
 
 @pytest.mark.parametrize("mode", ["floor", "trunc", None])
 def test_div_mode_backward(mode):
     a, b = leaf(2, 3), leaf(2, 3)
     out = torch.div(a, b, rounding_mode=mode)
-    node, (g,), (wa, wb) = live(out)
+    node, (g,), (wa, wb) = live_from_output(out)
     rm = saved(node, "rounding_mode")
-    check(P.div_tensor_self_backward(g, saved(node, "other"), a.dtype, rm), wa)
-    check(P.div_tensor_other_backward(g, saved(node, "self"), saved(node, "other"), rm), wb)
+    check_grad(P.div_tensor_self_backward(g, saved(node, "other"), a.dtype, rm), wa)
+    check_grad(P.div_tensor_other_backward(g, saved(node, "self"), saved(node, "other"), rm), wb)
 
 
 @pytest.mark.parametrize("mode", ["floor", None])
@@ -141,9 +109,9 @@ def test_div_scalar_backward(mode, other):
         out = torch.ops.aten.div.Scalar(a, other)
     else:
         out = torch.ops.aten.div.Scalar_mode(a, other, rounding_mode=mode)
-    node, (g,), (want,) = live(out)
+    node, (g,), (want,) = live_from_output(out)
     rm = saved(node, "rounding_mode") if mode is not None else None
-    check(P.div_tensor_self_backward(g, saved(node, "other"), a.dtype, rm), want)
+    check_grad(P.div_tensor_self_backward(g, saved(node, "other"), a.dtype, rm), want)
 
 
 # --------------------------------------------------------------------------- pow
@@ -156,8 +124,8 @@ def test_pow_backward(dtype, exponent):
     with torch.no_grad():
         a[0, 0] = 0
     out = torch.pow(a, exponent)
-    node, (g,), (want,) = live(out)
-    check(P.pow_backward(g, saved(node, "self"), saved(node, "exponent")), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(P.pow_backward(g, saved(node, "self"), saved(node, "exponent")), want)
 
 
 @pytest.mark.parametrize("ds,de", [(D, D), (C, C), (D, C), (C, D)])
@@ -165,9 +133,9 @@ def test_pow_tensor_tensor_backward(ds, de):
     a = leaf(data=[[0.0, 0.0, 1.5], [2.0, 0.0, 0.7]], dtype=ds)
     e = leaf(data=[[0.0, 2.0, -1.0], [0.5, -2.0, 3.0]], dtype=de)
     out = torch.pow(a, e)
-    node, (g,), (wa, we) = live(out)
-    check(P.pow_backward_self(g, saved(node, "self"), saved(node, "exponent")), wa)
-    check(P.pow_backward_exponent(g, saved(node, "self"), saved(node, "exponent"), saved(node, "result")), we)
+    node, (g,), (wa, we) = live_from_output(out)
+    check_grad(P.pow_backward_self(g, saved(node, "self"), saved(node, "exponent")), wa)
+    check_grad(P.pow_backward_exponent(g, saved(node, "self"), saved(node, "exponent"), saved(node, "result")), we)
 
 
 @pytest.mark.parametrize("dtype", [D, C])
@@ -175,9 +143,9 @@ def test_pow_tensor_tensor_backward(ds, de):
 def test_pow_scalar_base_backward(dtype, base):
     e = leaf(data=[0.0, 2.0, -1.0, 0.5], dtype=dtype)
     out = torch.pow(base, e)
-    node, (g,), (want,) = live(out)
+    node, (g,), (want,) = live_from_output(out)
     got = P.pow_backward_exponent(g, saved(node, "self"), saved(node, "exponent"), saved(node, "result"))
-    check(got, want)
+    check_grad(got, want)
 
 
 def test_pow_traceable():
@@ -197,8 +165,8 @@ def test_angle_backward(dtype):
     with torch.no_grad():
         a[1] = 0
     out = torch.angle(a)
-    node, (g,), (want,) = live(out)
-    check(P.angle_backward(g, saved(node, "self")), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(P.angle_backward(g, saved(node, "self")), want)
 
 
 @pytest.mark.parametrize("mask", [(True, True), (True, False), (False, True)])
@@ -207,10 +175,10 @@ def test_atan2_backward(mask):
     out = torch.atan2(a, b)
     node = out.grad_fn
     g = torch.randn_like(out)
-    want = _as_tuple(node(g))
+    want = as_tuple(node(g))
     got = P.atan2_backward(g, saved(node, "self"), saved(node, "other"), mask)
     for gt, w in zip(got, want):
-        check(gt, w)
+        check_grad(gt, w)
     assert P.atan2_backward(None, a, b, (True, True)) == (None, None)
 
 
@@ -220,8 +188,8 @@ def test_sgn_backward(dtype):
     with torch.no_grad():
         a[2] = 0
     out = torch.sgn(a)
-    node, (g,), (want,) = live(out)
-    check(P.sgn_backward(saved(node, "self"), g, saved(node, "result")), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(P.sgn_backward(saved(node, "self"), g, saved(node, "result")), want)
 
 
 @pytest.mark.parametrize("scalar_other", [False, True])
@@ -229,8 +197,8 @@ def test_copysign_backward(scalar_other):
     a = leaf(data=[1.0, -2.0, 0.0, -0.0, 3.0])
     other = -1.0 if scalar_other else torch.tensor([1.0, 1.0, -1.0, 1.0, -1.0], dtype=D)
     out = torch.copysign(a, other)
-    node, (g,), want = live(out)
-    check(P.copysign_tensor_self_backward(g, saved(node, "self"), saved(node, "result")), want[0])
+    node, (g,), want = live_from_output(out)
+    check_grad(P.copysign_tensor_self_backward(g, saved(node, "self"), saved(node, "result")), want[0])
 
 
 # --------------------------------------------------------------------------- clamp
@@ -244,8 +212,8 @@ def test_clamp_scalar_backward(lo, hi):
         assert P.clamp_backward(g, a, None, None) is g
         return
     out = torch.clamp(a, lo, hi)
-    node, (g,), (want,) = live(out)
-    check(P.clamp_backward(g, saved(node, "self"), saved(node, "min"), saved(node, "max")), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(P.clamp_backward(g, saved(node, "self"), saved(node, "min"), saved(node, "max")), want)
 
 
 @pytest.mark.parametrize("which", ["both", "min", "max"])
@@ -259,14 +227,14 @@ def test_clamp_tensor_backward(which, mask):
     out = torch.clamp(a, lo, hi)
     node = out.grad_fn
     g = torch.randn_like(out)
-    want = _as_tuple(node(g))
+    want = as_tuple(node(g))
     s_min, s_max = saved(node, "min"), saved(node, "max")
-    check(P.clamp_backward(g, saved(node, "self"), s_min, s_max), want[0])
+    check_grad(P.clamp_backward(g, saved(node, "self"), s_min, s_max), want[0])
     req = (lo is not None and lo.requires_grad, hi is not None and hi.requires_grad)
     gmin, gmax = P.clamp_backward_min_max(g, saved(node, "self"), s_min, s_max, req)
     # edges are (self, min, max) even for a missing bound
-    check(gmin, want[1])
-    check(gmax, want[2])
+    check_grad(gmin, want[1])
+    check_grad(gmax, want[2])
 
 
 # --------------------------------------------------------------------------- special functions
@@ -275,8 +243,8 @@ def test_clamp_tensor_backward(which, mask):
 def test_sinc_backward():
     a = leaf(data=[0.0, 0.5, -1.25, 2.0, 1e-3])
     out = torch.sinc(a)
-    node, (g,), (want,) = live(out)
-    check(P.sinc_backward(g, saved(node, "self")), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(P.sinc_backward(g, saved(node, "self")), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, D])
@@ -284,8 +252,8 @@ def test_sinc_backward():
 def test_i1_backward(dtype, fn, helper):
     a = leaf(data=[0.0, 1e-20, -0.5, 2.0, -3.0], dtype=dtype)
     out = fn(a)
-    node, (g,), (want,) = live(out)
-    check(HELPERS[helper](g, saved(node, "self"), saved(node, "result")), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(HELPERS[helper](g, saved(node, "self"), saved(node, "result")), want)
 
 
 def test_i1_backward_rejects_half():
@@ -298,33 +266,33 @@ def test_i1_backward_rejects_half():
 def test_log1p_backward(dtype):
     a = leaf(4, dtype=dtype)
     out = torch.log1p(a)
-    node, (g,), (want,) = live(out)
-    check(P.log1p_backward(g, saved(node, "self")), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(P.log1p_backward(g, saved(node, "self")), want)
 
 
 @pytest.mark.parametrize("eps", [None, 0.1, 0.0])
 def test_logit_backward(eps):
     a = leaf(data=[-0.5, 0.0, 0.05, 0.3, 0.95, 1.0, 1.5])
     out = torch.logit(a, eps)
-    node, (g,), (want,) = live(out)
-    check(P.infinitely_differentiable_logit_backward(g, saved(node, "self"), saved(node, "eps")), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(P.infinitely_differentiable_logit_backward(g, saved(node, "self"), saved(node, "eps")), want)
 
 
 @pytest.mark.parametrize("p", [1, 3])
 def test_mvlgamma_backward(p):
     a = (torch.rand(4, dtype=D) + p).requires_grad_()
     out = torch.mvlgamma(a, p)
-    node, (g,), (want,) = live(out)
-    check(P.mvlgamma_backward(g, saved(node, "self"), saved(node, "p")), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(P.mvlgamma_backward(g, saved(node, "self"), saved(node, "p")), want)
 
 
 def test_polar_backward():
     r, th = leaf(4).abs().detach().requires_grad_(), leaf(4)
     out = torch.polar(r, th)
-    node, (g,), (wr, wt) = live(out)
+    node, (g,), (wr, wt) = live_from_output(out)
     gr, gt = P.polar_backward(g, saved(node, "result"))
-    check(gr, wr)
-    check(gt, wt)
+    check_grad(gr, wr)
+    check_grad(gt, wt)
     assert P.polar_backward(None, out.detach()) == (None, None)
 
 
@@ -333,8 +301,8 @@ def test_polar_backward():
 def test_angle_conversions(fn, helper, dtype):
     a = leaf(4, dtype=dtype)
     out = fn(a)
-    node, (g,), (want,) = live(out)
-    check(HELPERS[helper](g), want)
+    node, (g,), (want,) = live_from_output(out)
+    check_grad(HELPERS[helper](g), want)
 
 
 # --------------------------------------------------------------------------- activations
@@ -346,8 +314,8 @@ def test_infinitely_differentiable_activations(fn, helper):
     a = leaf(6) * 3
     a = a.detach().requires_grad_()
     out = fn(a)
-    node, (g,), (want,) = live(out)  # grad mode is on, so the node uses the same formula
-    check(HELPERS[helper](g, saved(node, "self")), want)
+    node, (g,), (want,) = live_from_output(out)  # grad mode is on, so the node uses the same formula
+    check_grad(HELPERS[helper](g, saved(node, "self")), want)
 
 
 @pytest.mark.parametrize("is_result", [False, True])
@@ -357,20 +325,20 @@ def test_elu_double_backward(is_result):
     if is_result:
         x = torch.nn.functional.elu(x.detach(), alpha=1.3).requires_grad_()
     out = torch.ops.aten.elu_backward(go, 1.3, 1.1, 0.7, is_result, x)
-    node, (g,), (w_go, w_x) = live(out)
+    node, (g,), (w_go, w_x) = live_from_output(out)
     got = P.elu_double_backward(g, saved(node, "grad_output"), saved(node, "alpha"), saved(node, "scale"),
                                 saved(node, "input_scale"), saved(node, "is_result"),
                                 saved(node, "self_or_result"))
-    check(got, w_x)
+    check_grad(got, w_x)
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu_double_backward(approximate):
     go, x = leaf(6), leaf(6)
     out = torch.ops.aten.gelu_backward(go, x, approximate=approximate)
-    node, (g,), (w_go, w_x) = live(out)
+    node, (g,), (w_go, w_x) = live_from_output(out)
     got = P.gelu_double_backward(g, saved(node, "grad_output"), saved(node, "self"), saved(node, "approximate"))
-    check(got, w_x)
+    check_grad(got, w_x)
 
 
 @pytest.mark.parametrize("dim", [1, -1, 0])
@@ -378,9 +346,9 @@ def test_glu_double_backward(dim):
     x = leaf(4, 6)
     go = leaf(*[s // 2 if i == dim % 2 else s for i, s in enumerate(x.shape)])
     out = torch.ops.aten.glu_backward(go, x, dim)
-    node, (g,), (w_go, w_x) = live(out)
-    check(P.glu_double_backward_grad_output(g, saved(node, "self"), saved(node, "dim")), w_go)
-    check(P.glu_double_backward(g, saved(node, "grad_output"), saved(node, "self"), saved(node, "dim")), w_x)
+    node, (g,), (w_go, w_x) = live_from_output(out)
+    check_grad(P.glu_double_backward_grad_output(g, saved(node, "self"), saved(node, "dim")), w_go)
+    check_grad(P.glu_double_backward(g, saved(node, "grad_output"), saved(node, "self"), saved(node, "dim")), w_x)
 
 
 @pytest.mark.parametrize("beta,threshold", [(1.0, 20.0), (2.0, 1.0)])
@@ -388,10 +356,10 @@ def test_softplus_double_backward(beta, threshold):
     go = leaf(6)
     x = leaf(data=[-2.0, -0.5, 0.0, 0.3, 0.6, 3.0])
     out = torch.ops.aten.softplus_backward(go, x, beta, threshold)
-    node, (g,), (w_go, w_x) = live(out)
+    node, (g,), (w_go, w_x) = live_from_output(out)
     got = P.softplus_double_backward(g * saved(node, "grad_output"), saved(node, "self"),
                                      saved(node, "beta"), saved(node, "threshold"))
-    check(got, w_x)
+    check_grad(got, w_x)
 
 
 def test_log_sigmoid_double_backward():
@@ -399,8 +367,8 @@ def test_log_sigmoid_double_backward():
     _, buffer = torch.ops.aten.log_sigmoid_forward(x.detach())
     go = leaf(6)
     out = torch.ops.aten.log_sigmoid_backward(go, x, buffer)
-    node, (g,), (w_go, w_x) = live(out)
-    check(P.log_sigmoid_double_backward(g * saved(node, "grad_output"), saved(node, "self")), w_x)
+    node, (g,), (w_go, w_x) = live_from_output(out)
+    check_grad(P.log_sigmoid_double_backward(g * saved(node, "grad_output"), saved(node, "self")), w_x)
 
 
 @pytest.mark.parametrize("dim", [1, 0, -1])
@@ -408,11 +376,11 @@ def test_softmax_double_backward(dim):
     y = torch.softmax(torch.randn(3, 4, dtype=D), dim).requires_grad_()
     go = leaf(3, 4)
     out = torch.ops.aten._softmax_backward_data(go, y, dim, D)
-    node, (g,), (w_go, w_y) = live(out)
+    node, (g,), (w_go, w_y) = live_from_output(out)
     output = saved(node, "output")
     got = P.softmax_double_backward(g.to(output.dtype), saved(node, "grad_output"), saved(node, "dim"),
                                     output).to(output.dtype)
-    check(got, w_y)
+    check_grad(got, w_y)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, D])
@@ -422,6 +390,6 @@ def test_renorm_backward(dtype, p, dim, maxnorm):
     with torch.no_grad():
         x[1] *= 0.01  # one slice under maxnorm
     out = torch.renorm(x, p, dim, maxnorm)
-    node, (g,), (want,) = live(out)
+    node, (g,), (want,) = live_from_output(out)
     got = P.renorm_backward(g, saved(node, "self"), saved(node, "p"), saved(node, "dim"), saved(node, "maxnorm"))
-    check(got, want)
+    check_grad(got, want)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.testing import assert_close
 
+from tests.helpers.live import check_grads_exact, leaf, live, saved
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers.shape import (
     _to_copy_backward,
@@ -27,42 +27,6 @@ from vjpgen.runtime.helpers.shape import (
 from vjpgen.runtime.types import TensorGeometry, TensorOptions
 
 D = torch.float64
-
-
-def leaf(*shape, dtype=D):
-    return torch.randn(shape, dtype=dtype).requires_grad_()
-
-
-def saved(node, name):
-    """``node._saved_<name>`` with int64 values fixed up: the bindings expose negative int64
-    saved values as unsigned (``-1`` reads as ``2**64 - 1``)."""
-
-    def fix(v):
-        if isinstance(v, bool) or not isinstance(v, int):
-            return v
-        return v - 2**64 if v >= 2**63 else v
-
-    v = getattr(node, "_saved_" + name)
-    if isinstance(v, (tuple, list)):
-        return type(v)(fix(e) for e in v)
-    return fix(v)
-
-
-def live(node, *grads):
-    """The live node's grads, one per next_functions edge, as a list."""
-    with torch.no_grad():
-        out = node(*grads)
-    return list(out) if isinstance(out, tuple) else [out]
-
-
-def check_list(mine, ref):
-    assert len(mine) == len(ref)
-    for m, r in zip(mine, ref):
-        if r is None:
-            assert m is None
-        else:
-            assert m.dtype == r.dtype
-            assert_close(m, r, rtol=0, atol=0, equal_nan=True)
 
 
 def test_registered_names():
@@ -103,7 +67,7 @@ def test_cat(dim):
     mine = cat_tensors_backward(
         g, [tuple(x.shape) for x in xs], [x.dtype for x in xs], saved(node, "dim")
     )
-    check_list(mine, live(node, g))
+    check_grads_exact(mine, live(node, g))
 
 
 def test_cat_legacy_empty_and_complex():
@@ -117,12 +81,12 @@ def test_cat_legacy_empty_and_complex():
     sizes = [(2, 3), (0,), (2, 2)]
     dtypes = [torch.complex128, D, torch.complex128]
     mine = cat_tensors_backward(g, sizes, dtypes, saved(node, "dim"))
-    check_list(mine, live(node, g))
+    check_grads_exact(mine, live(node, g))
     # real input: real part of a complex grad
     out2 = torch.cat([a, c], 1)
     g2 = torch.randn_like(out2)
     mine2 = cat_tensors_backward(g2, [(2, 3), (2, 2)], [D, torch.complex128], 1)
-    check_list(mine2, live(out2.grad_fn, g2))
+    check_grads_exact(mine2, live(out2.grad_fn, g2))
     assert cat_tensors_backward(None, sizes, dtypes, 0) == [None, None, None]
 
 
@@ -133,11 +97,11 @@ def test_stack(dim):
     node = out.grad_fn
     g = torch.randn_like(out)
     mine = stack_tensors_backward(g, saved(node, "dim"), [torch.complex128, torch.complex128])
-    check_list(mine, live(node, g))
+    check_grads_exact(mine, live(node, g))
     # real input with complex grad (dtype promotion in stack)
     out2 = torch.stack([xs[0], xs[0] * 2], dim)
     g2 = torch.randn_like(out2)
-    check_list(stack_tensors_backward(g2, dim, [D, D]), live(out2.grad_fn, g2))
+    check_grads_exact(stack_tensors_backward(g2, dim, [D, D]), live(out2.grad_fn, g2))
 
 
 def test_block_diag():
@@ -146,7 +110,7 @@ def test_block_diag():
     node = out.grad_fn
     g = torch.randn_like(out)
     mine = block_diag_backward(g, [list(x.shape) for x in xs], [x.dtype for x in xs])
-    check_list(mine, live(node, g))
+    check_grads_exact(mine, live(node, g))
 
 
 # ------------------------------------------------------------------ split / unbind
@@ -168,7 +132,7 @@ def test_split(dim, split):
         TensorOptions.of(x),
     )
     ref = live(node, *[g if g is not None else None for g in grads])
-    check_list([mine], ref)
+    check_grads_exact([mine], ref)
 
 
 def test_split_with_sizes():
@@ -185,7 +149,7 @@ def test_split_with_sizes():
         saved(node, "self_sym_sizes"),
         TensorOptions.of(x),
     )
-    check_list([mine], live(node, *grads))
+    check_grads_exact([mine], live(node, *grads))
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -196,7 +160,7 @@ def test_unbind(dim):
     grads = [torch.randn_like(o) for o in outs]
     grads[0] = None
     mine = unbind_backward(grads, saved(node, "dim"))
-    check_list([mine], live(node, *grads))
+    check_grads_exact([mine], live(node, *grads))
 
 
 # ------------------------------------------------------------------ views / shape
@@ -208,7 +172,7 @@ def test_permute(dims):
     out = x.permute(dims)
     node = out.grad_fn
     g = torch.randn_like(out)
-    check_list([permute_backwards(g, saved(node, "dims"))], live(node, g))
+    check_grads_exact([permute_backwards(g, saved(node, "dims"))], live(node, g))
 
 
 @pytest.mark.parametrize(
@@ -228,7 +192,7 @@ def test_repeat(shape, repeats):
     node = out.grad_fn
     g = torch.randn_like(out)
     mine = repeat_backward(g, saved(node, "repeats"), saved(node, "self_sym_sizes"))
-    check_list([mine], live(node, g))
+    check_grads_exact([mine], live(node, g))
 
 
 @pytest.mark.parametrize(
@@ -253,7 +217,7 @@ def test_slice(idx):
         saved(node, "end"),
         saved(node, "step"),
     )
-    check_list([mine], live(node, g))
+    check_grads_exact([mine], live(node, g))
 
 
 def test_slice_none_bounds():
@@ -263,7 +227,7 @@ def test_slice_none_bounds():
     assert saved(node, "start") is None and saved(node, "end") is None
     g = torch.randn_like(out)
     mine = slice_backward_wrapper(g, saved(node, "self_sym_sizes"), 1, None, None, 2)
-    check_list([mine], live(node, g))
+    check_grads_exact([mine], live(node, g))
 
 
 def test_narrow_copy():
@@ -275,7 +239,7 @@ def test_narrow_copy():
     mine = slice_backward_wrapper(
         g, saved(node, "self_sym_sizes"), saved(node, "dim"), s, s + ln, 1
     )
-    check_list([mine], live(node, g))
+    check_grads_exact([mine], live(node, g))
 
 
 @pytest.mark.parametrize("pad", [(1, 2), (0, 1, 2, 0), (-1, 2, 1, -1)])
@@ -284,7 +248,7 @@ def test_constant_pad_nd(pad):
     out = torch.constant_pad_nd(x, pad, 1.5)
     node = out.grad_fn
     g = torch.randn_like(out)
-    check_list([constant_pad_nd_backward(g, saved(node, "pad"))], live(node, g))
+    check_grads_exact([constant_pad_nd_backward(g, saved(node, "pad"))], live(node, g))
 
 
 @pytest.mark.parametrize("src,dst", [(D, torch.float32), (torch.float32, torch.complex64), (D, D)])
@@ -293,7 +257,7 @@ def test_to_copy(src, dst):
     out = torch.ops.aten._to_copy(x, dtype=dst)
     node = out.grad_fn
     g = torch.randn_like(out)
-    check_list([_to_copy_backward(g, TensorOptions.of(x))], live(node, g))
+    check_grads_exact([_to_copy_backward(g, TensorOptions.of(x))], live(node, g))
 
 
 def test_roll_helpers():
@@ -304,7 +268,7 @@ def test_roll_helpers():
     mine = g.roll(
         fmap(reverse_list(saved(node, "shifts")), lambda i: -i), reverse_list(saved(node, "dims"))
     )
-    check_list([mine], live(node, g))
+    check_grads_exact([mine], live(node, g))
     assert HELPERS["reverse_list_symint"]([1, 2, 3]) == [3, 2, 1]
 
 
@@ -341,7 +305,7 @@ def test_as_strided(base_shape, view, size, stride, offset):
     mine = as_strided_backward(
         g, geom, saved(node, "size"), saved(node, "stride"), saved(node, "storage_offset")
     )
-    check_list([mine], live(node, g))
+    check_grads_exact([mine], live(node, g))
 
 
 @pytest.mark.parametrize(
@@ -365,7 +329,7 @@ def test_as_strided_scatter(size, stride, offset):
         saved(node, "storage_offset"),
     )
     mine_src = g.contiguous().as_strided(size, stride, offset)
-    check_list([mine_self, mine_src], live(node, g))
+    check_grads_exact([mine_self, mine_src], live(node, g))
 
 
 def test_traceable():
@@ -381,7 +345,7 @@ def test_traceable():
     g = torch.randn(4, 5, dtype=D)
     a = torch.randn(2, 2, dtype=D)
     gm = make_fx(f)(g, a)
-    check_list(
+    check_grads_exact(
         list(torch.utils._pytree.tree_leaves(gm(g, a))),
         list(torch.utils._pytree.tree_leaves(f(g, a))),
     )

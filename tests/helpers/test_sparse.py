@@ -2,34 +2,16 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch.testing import assert_close
 
+from tests.helpers.live import live, saved
+from tests.helpers.live import seeded_quiet  # noqa: F401 (autouse fixture)
 from vjpgen.runtime.helpers import HELPERS
 from vjpgen.runtime.helpers import sparse as SP
 
 D = torch.float64
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Sparse CSR tensor support is in beta state"
-        yield
-
-
-def sv(node, name):
-    return getattr(node, "_saved_" + name)
-
-
-def live(node, *grads):
-    with torch.no_grad():
-        out = node(*grads)
-    return list(out) if isinstance(out, tuple) else [out]
 
 
 def same(got, ref):
@@ -78,7 +60,7 @@ def test_to_sparse_backward_from_dense(conv):
     y = conv(x)
     node = y.grad_fn
     g = conv(torch.randn(4, 6, dtype=D))
-    got = SP.to_sparse_backward(g, x.layout, sv(node, "self_self_sym_blocksize_opt"))
+    got = SP.to_sparse_backward(g, x.layout, saved(node, "self_self_sym_blocksize_opt"))
     same(got, live(node, g)[0])
 
 
@@ -87,7 +69,7 @@ def test_to_sparse_backward_from_compressed():
     y = s.to_sparse()  # CSR -> COO
     node = y.grad_fn
     g = sparse_rand((4, 6)).to_sparse()
-    got = SP.to_sparse_backward(g, s.layout, sv(node, "self_self_sym_blocksize_opt"))
+    got = SP.to_sparse_backward(g, s.layout, saved(node, "self_self_sym_blocksize_opt"))
     same(got, live(node, g)[0])
     assert got.layout == torch.sparse_csr
 
@@ -118,10 +100,10 @@ def test_values_backward(layout):
     v = s.values()
     node = v.grad_fn
     g = torch.randn_like(v)
-    got = SP.values_backward(g, sv(node, "self"))
+    got = SP.values_backward(g, saved(node, "self"))
     ref = live(node, g)[0]
     same(got, ref)
-    assert SP.values_backward(None, sv(node, "self")) is None
+    assert SP.values_backward(None, saved(node, "self")) is None
 
 
 def test_values_backward_bad_layout():
@@ -152,7 +134,7 @@ def test_sparse_mask_backward(self_sparse, mask_coalesced, grad_kind):
     else:
         ii = torch.tensor([[0, 0, 1, 3, 3], [1, 1, 2, 4, 0]])
         g = torch.sparse_coo_tensor(ii, torch.randn(5, dtype=D), (4, 5))
-    got = SP.sparse_mask_backward(g, sv(node, "mask"), x.layout)
+    got = SP.sparse_mask_backward(g, saved(node, "mask"), x.layout)
     same(got, live(node, g)[0])
 
 
@@ -171,8 +153,8 @@ def test_sparse_sparse_matmul_backward(coalesce_grad):
         g = torch.sparse_coo_tensor(ii, torch.randn(4, dtype=D), (3, 5))
     ref = live(node, g)
     got = [
-        SP.sparse_sparse_matmul_backward(g, sv(node, "self"), sv(node, "other"), 0),
-        SP.sparse_sparse_matmul_backward(g, sv(node, "self"), sv(node, "other"), 1),
+        SP.sparse_sparse_matmul_backward(g, saved(node, "self"), saved(node, "other"), 0),
+        SP.sparse_sparse_matmul_backward(g, saved(node, "self"), saved(node, "other"), 1),
     ]
     for gg, rr in zip(got, ref):
         same(gg, rr)
@@ -187,7 +169,7 @@ def test_sparse_sparse_matmul_backward_complex():
     g = (sparse_rand((3, 2)) + 1j * sparse_rand((3, 2))).to_sparse()
     ref = live(node, g)
     for order in (0, 1):
-        same(SP.sparse_sparse_matmul_backward(g, sv(node, "self"), sv(node, "other"), order), ref[order])
+        same(SP.sparse_sparse_matmul_backward(g, saved(node, "self"), saved(node, "other"), order), ref[order])
 
 
 # --------------------------------------------------------------------------- sampled addmm
@@ -205,11 +187,11 @@ def test_sparse_sampled_addmm_backward(alpha, beta, req):
     mask = tuple(req)
     got = SP.sparse_sampled_addmm_backward(
         g,
-        sv(node, "self"),
-        sv(node, "mat1") if mask[2] else None,  # wrap_opt_if(mat1, grad_input_mask[2])
-        sv(node, "mat2") if mask[1] else None,
-        sv(node, "alpha"),
-        sv(node, "beta"),
+        saved(node, "self"),
+        saved(node, "mat1") if mask[2] else None,  # wrap_opt_if(mat1, grad_input_mask[2])
+        saved(node, "mat2") if mask[1] else None,
+        saved(node, "alpha"),
+        saved(node, "beta"),
         mask,
     )
     ref = live(node, g)
@@ -234,7 +216,7 @@ def test_mm_mat1_sparse_backward_coo(alpha):
     assert type(node).__name__ == "SparseAddmmBackward0"
     g = torch.randn(3, 5, dtype=D)
     ref = live(node, g)
-    got = SP.mm_mat1_sparse_backward(g, sv(node, "mat1"), sv(node, "mat2"), sv(node, "alpha"))
+    got = SP.mm_mat1_sparse_backward(g, saved(node, "mat1"), saved(node, "mat2"), saved(node, "alpha"))
     same(got, ref[1])
 
 
@@ -245,7 +227,7 @@ def test_mm_mat1_sparse_backward_uncoalesced_complex():
     m2 = torch.randn(4, 2, dtype=torch.complex128, requires_grad=True)
     node = torch.sparse.addmm(inp, S, m2, alpha=2.0).grad_fn
     g = torch.randn(3, 2, dtype=torch.complex128)
-    same(SP.mm_mat1_sparse_backward(g, sv(node, "mat1"), sv(node, "mat2"), sv(node, "alpha")), live(node, g)[1])
+    same(SP.mm_mat1_sparse_backward(g, saved(node, "mat1"), saved(node, "mat2"), saved(node, "alpha")), live(node, g)[1])
 
 
 def test_mm_mat1_sparse_backward_csr():
@@ -258,7 +240,7 @@ def test_mm_mat1_sparse_backward_csr():
     assert type(node).__name__ == "SparseAddmmBackward0"
     # The live node only works with grad mode off (its in-place zero_() on the values of
     # a CSR clone fails otherwise); the port builds the zero tensor out of place.
-    same(SP.mm_mat1_sparse_backward(g, sv(node, "mat1"), sv(node, "mat2"), sv(node, "alpha")), live(node, g)[1])
+    same(SP.mm_mat1_sparse_backward(g, saved(node, "mat1"), saved(node, "mat2"), saved(node, "alpha")), live(node, g)[1])
     # direct check of the CSR path against the dense math, masked to S's pattern
     got = SP.mm_mat1_sparse_backward(g, S.detach(), m2.detach(), 2.0)
     assert got.layout == torch.sparse_csr
