@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from typing import Sequence
 
 import torch
 

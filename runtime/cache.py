@@ -18,8 +18,6 @@ from __future__ import annotations
 import logging
 import re
 
-import torch
-
 log = logging.getLogger("vjpgen")
 
 _GUARD_ARG = re.compile(r"L\['t(\d+)'\]")

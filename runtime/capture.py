@@ -170,7 +170,7 @@ def fakeify(tensors, ints, dyn_dims, dyn_ints):
     """Fake inputs for make_fx: a fresh ShapeEnv; dims in ``dyn_dims`` ({tensor_index: set(dim)})
     and ints in ``dyn_ints`` (set of positions) are symbolic, everything else static.
     Returns (fake_tensors, int_values (SymInt where dynamic), shape_env, fake_mode)."""
-    from torch._dynamo.source import ConstantSource, LocalSource
+    from torch._dynamo.source import LocalSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
         DimDynamic,

@@ -812,7 +812,6 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: CallContext) -> None:
 def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
     """Run the plan; returns the slot buffer."""
     buf = [None] * plan.nslots
-    infos = plan.infos
     # the root grads are validated against the root edges (engine::execute)
     for (s, g), (ri, nr) in zip(zip(plan.root_slots, root_grads), plan.root_edges):
         m = metas[ri][nr]

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import sys
 import time
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
