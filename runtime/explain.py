@@ -8,12 +8,14 @@ autograd graph (retain_graph=True), so the caller can still run its own backward
 from __future__ import annotations
 
 import colorsys
+import copy
 import hashlib
 import html
 
 import torch
 
 from . import api, engine
+from .stats import STATS
 
 
 class Explanation:
@@ -118,11 +120,13 @@ def explain(loss, *, svg: str | None = None, print_result: bool = True) -> Expla
     edges = [torch.autograd.graph.GradientEdge(n, 0) for n in leaves]
     sink: list = []
     api._explain_sink.append(sink)
+    counters = copy.deepcopy(vars(STATS))  # explaining is not a backward: stats() stays as it was
     try:
         if edges:
             api.grad(loss, edges, retain_graph=True, allow_unused=True, backend="eager")
     finally:
         api._explain_sink.pop()
+        vars(STATS).update(counters)
     ex = Explanation(sink)
     if print_result:
         print(ex.text())

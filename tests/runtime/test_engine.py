@@ -206,7 +206,9 @@ def test_eager_backend_and_explain(tmp_path):
     w = torch.randn(3, 4, requires_grad=True)
     x = torch.randn(2, 4)
     loss = torch.relu(x @ w.t()).sin().sum()
+    before = rt.stats()
     ex = rt.explain(loss, svg=str(tmp_path / "g.svg"), print_result=False)
+    assert rt.stats() == before  # explaining is not a backward
     text = ex.text()
     assert "<- MmBackward0" in text and "<- ReluBackward0" in text and "aten.mm" in text
     assert (tmp_path / "g.svg").read_text().startswith("<svg")
