@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from .environment import cache_root, installed_torch_version
 from .errors import GenerateError
 from .load import Inputs, load
 from .render import render_index, render_module
@@ -62,11 +63,7 @@ def _generator_sources() -> list[Path]:
     return out
 
 
-def installed_torch_version() -> str:
-    """The installed torch's release (``2.13.0``), read from its metadata without importing it."""
-    from importlib.metadata import version
 
-    return version("torch").split("+")[0]
 
 
 def fingerprint(inputs: Inputs, torch_version: str) -> str:
@@ -105,10 +102,7 @@ def _black_one(src: str) -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("VJPGEN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vjpgen"
-    )
-    return Path(root) / "black"
+    return cache_root() / "black"
 
 
 def _split_header(src: str) -> tuple[str, str]:

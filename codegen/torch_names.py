@@ -13,14 +13,10 @@ import json
 import os
 from pathlib import Path
 
-_VERSION_CACHE: dict = {}
-
+from .environment import cache_root
 
 def _cache_file(version: str) -> Path:
-    root = os.environ.get("VJPGEN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vjpgen"
-    )
-    return Path(root) / f"torch-names-{version}.json"
+    return cache_root() / f"torch-names-{version}.json"
 
 
 class TorchNames:

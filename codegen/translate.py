@@ -463,9 +463,9 @@ class _Lowerer:
 
 @functools.lru_cache(maxsize=None)
 def _default_names() -> TorchNames:
-    from importlib.metadata import version
+    from .environment import installed_torch_version
 
-    return TorchNames(version("torch").split("+")[0])
+    return TorchNames(installed_torch_version())
 
 
 def translate(formula: str, scope: Scope) -> Translation:

@@ -57,16 +57,13 @@ class FunctionModule:
         self.NAME = f"{fn_cls.__name__}Backward"
 
     def get_saved(self, node, edge_meta=None) -> list:
-        attrs = tuple(sorted(vars(node).items()))
+        attrs = tuple(sorted((k, v) for k, v in vars(node).items() if not k.startswith("_vjpgen")))
         for k, v in attrs:
-            if k.startswith("_vjpgen"):
-                continue
             if not _is_const(v):
                 raise NotImplementedError(
                     f"vjpgen: {type(node).__name__}: ctx.{k} ({type(v).__name__}) is not a constant; "
                     "the backward is called live"
                 )
-        attrs = tuple((k, v) for k, v in attrs if not k.startswith("_vjpgen"))
         needs = tuple(node.needs_input_grad)
         valid = tuple(f is not None for f, _ in node.next_functions)
         if len(needs) != len(valid) and sum(needs) != sum(valid):

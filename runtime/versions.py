@@ -17,20 +17,13 @@ import re
 import sys
 from pathlib import Path
 
+from vjpgen.codegen.environment import cache_root, installed_torch_version
+
 log = logging.getLogger("vjpgen")
 
 
-def installed_torch_version() -> str:
-    import torch
-
-    return torch.__version__.split("+")[0]
-
-
 def _cache_root() -> Path:
-    root = os.environ.get("VJPGEN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vjpgen"
-    )
-    return Path(root) / "generated"
+    return cache_root() / "generated"
 
 
 @functools.lru_cache(maxsize=None)

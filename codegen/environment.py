@@ -1,0 +1,23 @@
+"""Facts about this installation that the generator and the runtime both need, read without
+importing torch: the installed torch release and vjpgen's cache folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def installed_torch_version() -> str:
+    """The installed torch's release (``2.13.0``), from its package metadata."""
+    from importlib.metadata import version
+
+    return version("torch").split("+")[0]
+
+
+def cache_root() -> Path:
+    """``$VJPGEN_CACHE``, else ``$XDG_CACHE_HOME/vjpgen``, else ``~/.cache/vjpgen``: black's output,
+    the torch-API answers and packages generated for other torch releases live under it."""
+    root = os.environ.get("VJPGEN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vjpgen"
+    )
+    return Path(root)
