@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -c 'from vjpgen.runtime.native import main; main()'
 	touch $(STAMP)
 
 generate: $(STAMP)

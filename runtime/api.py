@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import warnings
 
@@ -69,6 +70,15 @@ def _gradient_edge(t: torch.Tensor, what: str, i: int):
     return (e.node, e.output_nr)
 
 
+def _make_grads(outputs, grad_outputs) -> tuple:
+    """The root grads: ``torch.autograd._make_grads``, with a fast path for the usual scalar loss."""
+    if len(outputs) == 1 and grad_outputs[0] is None:
+        out = outputs[0]
+        if type(out) is torch.Tensor and out.requires_grad and out.numel() == 1 and out.dtype.is_floating_point:
+            return (torch.ones_like(out, memory_format=torch.preserve_format),)
+    return torch.autograd._make_grads(outputs, grad_outputs, is_grads_batched=False)
+
+
 def _check_not_freed(root_nodes) -> None:
     for n in root_nodes:
         if n.metadata.get(engine._FREED):
@@ -80,7 +90,23 @@ def _check_not_freed(root_nodes) -> None:
 
 
 def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused):
-    """Common path of backward() and grad(); returns captured grads (grad mode) or None."""
+    """Common path of backward() and grad(); returns captured grads (grad mode) or None.
+
+    Python's cyclic GC is paused for the call (and resumed while a region compiles): the walk
+    allocates a tuple or two per node, and on a graph of 10,000 nodes the collections this
+    triggers made the per-node cost grow with the graph."""
+    if not gc.isenabled():
+        return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
+    gc.disable()
+    engine.GC_PAUSED = True
+    try:
+        return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
+    finally:
+        engine.GC_PAUSED = False
+        gc.enable()
+
+
+def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused):
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     STATS.backward_calls += 1
@@ -88,7 +114,7 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
         if isinstance(t, torch.Tensor) and t.layout != torch.strided:
             return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused,
                           f"{t.layout} tensors are not captured")
-    grads = torch.autograd._make_grads(outputs, grad_outputs, is_grads_batched=False)
+    grads = _make_grads(outputs, grad_outputs)
     root_edges = [_gradient_edge(t, "tensors", i) for i, t in enumerate(outputs)]
     root_nodes = [n for n, _ in root_edges]
     _check_not_freed(root_nodes)
@@ -134,7 +160,7 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     if plan.eager_reason is not None:
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason)
 
-    ctx = engine.CallContext(backend)
+    ctx = engine.CallContext(backend, release=not retain_graph)
     ctx.graphs = _explain_sink[-1] if _explain_sink else None
     with torch.no_grad():
         buf = engine.execute(plan, nodes, metas, grads, ctx)

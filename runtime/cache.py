@@ -34,11 +34,16 @@ def coarse_key(S: tuple, T: list, I: list):
 class Compiled:
     """One compiled graph of a region."""
 
-    __slots__ = ("fn", "present", "guard", "guard_src", "gm", "dyn_ints", "n_tensors", "dynamic", "hits")
+    __slots__ = (
+        "fn", "present", "guard", "guard_src", "gm", "dyn_ints", "n_tensors", "dynamic", "hits", "aliases",
+    )
 
-    def __init__(self, fn, present, gm, n_tensors, dyn_ints=(), guard=None, guard_src=None):
+    def __init__(self, fn, present, gm, n_tensors, dyn_ints=(), guard=None, guard_src=None, aliases=None):
         self.fn = fn
         self.present = present  # per region output: produced (True) or undefined (False)
+        # per produced output: shares storage with an input (a saved tensor or incoming grad), so a
+        # sink must not steal it; None: unknown, treat all as aliasing
+        self.aliases = aliases
         self.gm = gm  # the traced FX graph (for explain)
         self.n_tensors = n_tensors
         self.dyn_ints = tuple(dyn_ints)  # positions of I passed as graph inputs
@@ -48,8 +53,10 @@ class Compiled:
         self.hits = 0
 
     def args(self, T: list, I: list) -> list:
+        """The argument list of :attr:`fn`: ``T`` itself, extended by the dynamic ints (so the
+        boxed callee, which empties it, holds the only references to the tensors)."""
         if self.dyn_ints:
-            return T + [I[j] for j in self.dyn_ints]
+            T.extend([I[j] for j in self.dyn_ints])
         return T
 
 

@@ -205,6 +205,28 @@ def trace(fn, fake_args) -> torch.fx.GraphModule:
         return make_fx(fn, tracing_mode="symbolic")(*fake_args)
 
 
+def output_aliases(gm: torch.fx.GraphModule) -> list:
+    """Per output of a traced graph: whether it shares storage with a graph input (an input
+    returned as it is, or a view of one), from the fake tensors make_fx recorded. An output
+    without a recorded value counts as aliasing (the safe answer)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    inputs = set()
+    out_args = ()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                inputs.add(StorageWeakRef(v.untyped_storage()))
+        elif n.op == "output":
+            out_args = n.args[0]
+    res = []
+    for a in out_args:
+        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        res.append(not isinstance(v, torch.Tensor) or StorageWeakRef(v.untyped_storage()) in inputs)
+    return res
+
+
 class Tagger:
     """Tags FX nodes created during tracing with the backward node class they came from."""
 
@@ -241,23 +263,52 @@ class Tagger:
 _printed_progress = False
 
 
+def _identity(args):
+    return args
+
+
 def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
-    """Compile a traced graph; returns a callable taking ``*args`` and returning a list."""
+    """Compile a traced graph into a *boxed* callable: ``fn(args: list) -> list``.
+
+    The callee empties ``args`` before it runs (the calling convention of AOTAutograd's boxed
+    functions and of compiled autograd), so the compiled code holds the only references to its
+    inputs and frees each (saved tensors, incoming grads) after its last use, as the eager engine
+    frees a node's saved tensors after the node runs. Inductor's size and stride asserts on the
+    inputs are off: the region cache has checked them already (see :mod:`vjpgen.runtime.cache`).
+    """
+    from torch._dynamo.utils import GmWrapper
+
+    fake_args = list(fake_args)
     if backend == "eager":
-        return gm.forward
+        fwd = gm.forward
+
+        def run_eager(args):
+            a = list(args)
+            args.clear()
+            return fwd(*a)
+
+        return run_eager
     if backend == "aot_eager":
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
         with torch.no_grad():
-            boxed = aot_module_simplified(
-                gm, list(fake_args), fw_compiler=lambda g, _: make_boxed_func(g)
+            return aot_module_simplified(
+                GmWrapper(gm, _identity), fake_args, fw_compiler=lambda g, _: make_boxed_func(g)
             )
-        return boxed
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
         with torch.no_grad():
-            return compile_fx(gm, list(fake_args))
+            return compile_fx(GmWrapper(gm, _identity), fake_args, config_patches={"size_asserts": False})
     if callable(backend):
-        return backend(gm, list(fake_args))
+        fn = backend(gm, fake_args)
+        if getattr(fn, "_boxed_call", False):
+            return fn
+
+        def run_user(args):
+            a = list(args)
+            args.clear()
+            return fn(*a)
+
+        return run_user
     raise ValueError(f"vjpgen: unknown backend {backend!r} (expected 'inductor', 'aot_eager' or 'eager')")

@@ -17,19 +17,37 @@ For one backward call:
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import logging
 import time
 
 import torch
 
-from . import capture, custom_function, hooks
+from . import capture, custom_function, hooks, native
 from .cache import Compiled, RegionCache, make_guard
 from .stats import STATS, record_break
 
 log = logging.getLogger("vjpgen")
 
 _FREED = "_vjpgen_freed"
+
+GC_PAUSED = False  # set by the API while it pauses the cyclic GC for a backward call
+
+
+@contextlib.contextmanager
+def _gc_resumed():
+    """Resume the cyclic GC the API paused, while a region traces and compiles (which allocates a
+    lot of short-lived cyclic garbage)."""
+    if not GC_PAUSED:
+        yield
+        return
+    gc.enable()
+    try:
+        yield
+    finally:
+        gc.disable()
 
 
 def _get_module(name: str):
@@ -113,6 +131,78 @@ def walk(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
 
 
 # ------------------------------------------------------------------------------------------
+# releasing saved tensors (the engine's Node::release_variables, from Python)
+
+FREED_MESSAGE = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after "
+    "they have already been freed). Saved intermediate values of the graph are freed when you call "
+    ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+    "graph a second time or if you need to access saved tensors after calling backward. (vjpgen "
+    "released them)"
+)
+
+_SECOND_BACKWARD = "backward through the graph a second time"  # in torch's message and ours
+_SavedTensor = torch._C._autograd.SavedTensor
+_RAW_SAVED: dict = {}  # node class -> names of its ``_raw_saved_*`` attributes
+
+
+def raw_saved_names(cls) -> tuple:
+    """Names of the ``_raw_saved_*`` attributes (SavedVariables) of a C++ node class."""
+    names = _RAW_SAVED.get(cls)
+    if names is None:
+        if issubclass(cls, _BackwardCFunction):
+            names = ()  # a custom Function's ctx keeps its own saved tensors
+        else:
+            names = tuple(k for k in dir(cls) if k.startswith("_raw_saved_"))
+        _RAW_SAVED[cls] = names
+    return names
+
+
+def _pack_released(tensor):
+    return None
+
+
+def _unpack_released(packed):
+    raise RuntimeError(FREED_MESSAGE)
+
+
+def release_nodes(nodes, indices, infos) -> None:
+    """Release the saved tensors of ``nodes[i]`` for ``i`` in ``indices``: the native helper's
+    ``Node::release_variables()``, else :func:`release_saved` from Python."""
+    nat = native.module()
+    if nat is not None:
+        nat.release([nodes[i] for i in indices])
+    else:
+        for i in indices:
+            release_saved(nodes[i], infos[i].raw_saved)
+
+
+def release_saved(node, names) -> None:
+    """Drop the node's references to its saved tensors, as the engine's ``release_variables()``
+    does after a node runs without ``retain_graph``.
+
+    Python cannot call ``release_variables``; registering saved-tensor hooks on a SavedVariable
+    packs its tensor (here into nothing) and resets its data, which is the same release. Unpacking
+    later (a second backward through the graph) raises torch's "backward through the graph a
+    second time" error. A SavedVariable that is undefined, already released or already has hooks
+    (``torch.autograd.graph.saved_tensors_hooks`` during the forward) is left as it is."""
+    for k in names:
+        v = getattr(node, k)
+        if type(v) is _SavedTensor:
+            try:
+                v.register_hooks(_pack_released, _unpack_released)
+            except RuntimeError:
+                pass
+        elif type(v) is tuple or type(v) is list:
+            for x in v:
+                if type(x) is _SavedTensor:
+                    try:
+                        x.register_hooks(_pack_released, _unpack_released)
+                    except RuntimeError:
+                        pass
+
+
+# ------------------------------------------------------------------------------------------
 # plans
 
 
@@ -120,7 +210,7 @@ class NodeInfo:
     __slots__ = (
         "cls", "name", "module", "is_acc", "pyfunc", "live", "num_inputs", "edges", "sc",
         "in_slots", "out", "n_saved", "sym_flags", "saved_names", "sc_get",
-        "needs", "get_saved", "uses_meta",
+        "needs", "get_saved", "uses_meta", "raw_saved",
     )
 
     def __init__(self, cls, num_inputs, edges):
@@ -142,10 +232,11 @@ class NodeInfo:
         self.needs = None  # needs_input_grad: fixed by the plan's structure, read on first gather
         self.get_saved = None  # module.get_saved(node, edge_meta): the saved values alone
         self.uses_meta = False  # whether get_saved reads edge metadata (then the walk's is passed)
+        self.raw_saved = raw_saved_names(cls)  # the node's SavedVariable attributes (release_saved)
 
 
 class Region:
-    __slots__ = ("nodes", "in_slots", "out_slots", "out_replace", "cache", "label", "index")
+    __slots__ = ("nodes", "in_slots", "out_slots", "out_replace", "cache", "label", "index", "drop_in")
 
     def __init__(self, index, nodes):
         self.index = index
@@ -153,6 +244,7 @@ class Region:
         self.in_slots = []
         self.out_slots = []
         self.out_replace = []
+        self.drop_in = []  # in_slots nothing reads after this region: dropped before its call
         self.label = f"region {index}"
         self.cache = RegionCache(self.label)
 
@@ -388,6 +480,7 @@ def _partition(p: Plan) -> None:
                     outs.append(s)
         step.out_slots = outs
         step.out_replace = [s in consumed_set and s in ins for s in outs]
+        step.drop_in = [s for s in ins if s not in sink_slots and s not in outs]
     p.steps = steps
 
 
@@ -617,6 +710,11 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
 
 
 def _compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T=None, labels_I=None):
+    with _gc_resumed():
+        return _compile_region_now(region, plan, S, T, I, dd, di, backend, labels_T, labels_I)
+
+
+def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T, labels_I):
     fakes, ivals, shape_env, mode = capture.fakeify(T, I, dd, di)
     dyn_ints = sorted(di)
     present: list = []
@@ -636,18 +734,21 @@ def _compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend, labels
     t0 = time.perf_counter()
     compiled_fn = capture.compile_graph(gm, fake_args, backend)
     log.debug("vjpgen: compiled %s with %s in %.2fs", region.label, backend, time.perf_counter() - t0)
-    return Compiled(compiled_fn, list(present), gm, len(T), dyn_ints, guard, guard_src)
+    return Compiled(
+        compiled_fn, list(present), gm, len(T), dyn_ints, guard, guard_src, capture.output_aliases(gm)
+    )
 
 
 class CallContext:
     """Per-call state shared with the sinks."""
 
-    __slots__ = ("protected", "graphs", "backend")
+    __slots__ = ("protected", "graphs", "backend", "release")
 
-    def __init__(self, backend):
+    def __init__(self, backend, release: bool = False):
         self.protected = set()
         self.graphs = None
         self.backend = backend
+        self.release = release  # no retain_graph: free saved tensors as the nodes run
 
 
 def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
@@ -672,6 +773,8 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
     try:
         S, T, I, tid, _, _ = _gather(region, plan, nodes, metas, buf)
     except _NodeTraceError as e:
+        if isinstance(e.exc, RuntimeError) and _SECOND_BACKWARD in str(e.exc):
+            raise e.exc from None  # this graph was freed by an earlier backward: not a graph break
         _break_region(e, region, plan, nodes, metas, buf, ctx, "get_state")
         return False
     compiled, fk = region.cache.lookup(S, T, I)
@@ -711,7 +814,15 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         compiled.hits += 1
     if ctx.graphs is not None:
         ctx.graphs.append(("region", region.label, compiled.gm, [plan.infos[i].name for i in region.nodes]))
-    outs = compiled.fn(*compiled.args(T, I))
+    # from here the compiled graph holds the only references to what it reads, and frees each
+    # after its last use: the nodes let go of their saved tensors, buf of the grads consumed here
+    if ctx.release:
+        release_nodes(nodes, region.nodes, plan.infos)
+    for s in region.drop_in:
+        buf[s] = None
+    outs = compiled.fn(compiled.args(T, I))  # boxed: the callee empties the list
+    del T
+    aliases = compiled.aliases
     k = 0
     for s, present, replace in zip(region.out_slots, compiled.present, region.out_replace):
         if not present:
@@ -719,9 +830,9 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
                 buf[s] = None
             continue
         g = outs[k]
-        k += 1
-        if id(g) in tid:
+        if aliases is None or aliases[k]:  # an input or a view of one: never stolen by a sink
             ctx.protected.add(id(g))
+        k += 1
         if replace or buf[s] is None:
             buf[s] = g
         else:
@@ -790,6 +901,8 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: CallContext) -> None:
         else:
             r = node(*grads)
             outs = list(r) if isinstance(r, (tuple, list)) else [r]
+    if ctx.release:
+        release_nodes(nodes, (i,), plan.infos)
     ins = {id(g) for g in grads if g is not None}
     for (j, s, d, nr) in info.out:
         g = outs[j]
@@ -860,6 +973,12 @@ def _obeys_layout_contract(grad, var) -> bool:
     return grad.is_contiguous()
 
 
+def _owns_storage(t) -> bool:
+    """A view that spans its whole storage (e.g. Inductor's reinterpretation of a fresh buffer):
+    stealing it keeps nothing else alive."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def _clone_obey_contract(grad, var):
     if _non_overlapping_and_dense(var):
         return torch.empty_strided(var.shape, var.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
@@ -869,6 +988,20 @@ def _clone_obey_contract(grad, var):
 def accumulate_leaf(acc_node, grad, ctx: CallContext, node_hooks=None) -> None:
     """AccumulateGrad::apply: tensor pre-hooks, accumulate into .grad, post-accumulate hooks."""
     var = acc_node.variable
+    if (
+        node_hooks is None
+        and grad is not None
+        and not var._backward_hooks
+        and not var._post_accumulate_grad_hooks
+        and var.grad is None
+        and not grad.requires_grad
+        and id(grad) not in ctx.protected
+        and (grad._base is None or _owns_storage(grad))
+        and _obeys_layout_contract(grad, var)
+    ):  # the common case: no hooks, no .grad yet, a fresh grad of the right layout is stolen
+        var.grad = grad
+        ctx.protected.add(id(grad))
+        return
     pre, post = hooks.leaf_hooks(var)
     for hook in pre:
         r = hook(grad)
@@ -880,7 +1013,7 @@ def accumulate_leaf(acc_node, grad, ctx: CallContext, node_hooks=None) -> None:
     if grad is not None:
         vg = var.grad
         if vg is None:
-            if id(grad) not in ctx.protected and grad._base is None and _obeys_layout_contract(grad, var):
+            if id(grad) not in ctx.protected and (grad._base is None or _owns_storage(grad)) and _obeys_layout_contract(grad, var):
                 var.grad = grad.detach()
             else:
                 var.grad = _clone_obey_contract(grad, var)

@@ -1,0 +1,75 @@
+"""vjpgen's native helper (``_native.cpp``): ``Node::release_variables()`` from Python.
+
+The extension is built on first use with :func:`torch.utils.cpp_extension.load` (about 15 s with
+gcc, once per torch release; the build lives under vjpgen's cache folder, see
+:func:`vjpgen.codegen.environment.cache_root`). Where it cannot be built (no compiler, or
+``VJPGEN_NATIVE=0``) the runtime releases saved tensors through Python instead (slower, same
+effect; see :func:`vjpgen.runtime.engine.release_saved`), and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger("vjpgen")
+
+_SOURCE = Path(__file__).with_name("_native.cpp")
+_lock = threading.Lock()
+_state: dict = {}  # "module": the loaded extension or None once tried
+
+
+def module():
+    """The loaded extension, or None where it is off or cannot be built (tried once)."""
+    m = _state.get("module", False)
+    if m is not False:
+        return m
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _load()
+    return _state["module"]
+
+
+def _load():
+    if os.environ.get("VJPGEN_NATIVE", "1") == "0":
+        log.info("vjpgen: native helper off (VJPGEN_NATIVE=0); saved tensors are released from Python")
+        return None
+    try:
+        import torch
+        from torch.utils.cpp_extension import load
+
+        from vjpgen.codegen.environment import cache_root
+
+        build = cache_root() / "native" / f"torch-{torch.__version__}"
+        build.mkdir(parents=True, exist_ok=True)
+        return load(
+            name="vjpgen_native",
+            sources=[str(_SOURCE)],
+            build_directory=str(build),
+            extra_cflags=["-O2"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no headers: the Python fallback does the same, slower
+        log.warning(
+            "vjpgen: could not build the native helper (%s: %s); saved tensors are released "
+            "from Python instead (slower). Set VJPGEN_NATIVE=0 to skip the build.",
+            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "",
+        )
+        return None
+
+
+
+def main() -> int:
+    """Build the helper now and say where it is (``make install`` runs this)."""
+    import time
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    t0 = time.perf_counter()
+    m = module()
+    if m is None:
+        print("vjpgen: native helper not built; the runtime uses its Python fallback")
+    else:
+        print(f"vjpgen: native helper ready ({m.__file__}, {time.perf_counter() - t0:.1f}s)")
+    return 0
