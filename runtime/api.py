@@ -132,7 +132,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
 
     check_t = hooks.any_tensor_hooks()
     check_n = hooks.any_node_hooks()
-    nodes, metas, hooked, key, index = engine.walk(root_edges, check_t, check_n)
+    nodes, metas, hooked, key, index = engine.walk_fast(root_edges, check_t, check_n)
     root_idx = tuple((index[n], nr) for n, nr in root_edges)
     targets = None
     if targets_edges is not None:
@@ -143,7 +143,12 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     skey = (key, root_idx, targets, accumulate, hooked_sig, backend)
     plan = _PLANS.get(skey)
     if plan is None:
-        plan = engine.build_plan(nodes, metas, hooked, key, root_idx, targets, accumulate)
+        tkey = key
+        if type(key) is bytes:  # the native walk's key: the plan reads the tuple form
+            walked, _, _, tkey, _ = engine.walk(root_edges, False, False)
+            if walked != nodes:
+                raise RuntimeError("vjpgen: the native graph walk disagrees with the Python walk")
+        plan = engine.build_plan(nodes, metas, hooked, tkey, root_idx, targets, accumulate)
         _PLANS[skey] = plan
         STATS.plans += 1
         for st in plan.steps:

@@ -116,18 +116,39 @@ def walk(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
         add_key((type(n), len(md), tuple(edges)))
         i += 1
     if check_tensor_hooks or check_node_hooks:
-        hooked = {}
-        for i, n in enumerate(nodes):
-            if type(n).__name__ == "AccumulateGrad":
-                if check_node_hooks:
-                    h = hooks.node_hooks(n, False, True)
-                    if h:
-                        hooked[i] = h
-                continue
-            h = hooks.node_hooks(n, check_tensor_hooks, check_node_hooks)
-            if h:
-                hooked[i] = h
+        hooked = find_hooks(nodes, check_tensor_hooks, check_node_hooks)
     return nodes, metas, hooked, tuple(key), index
+
+
+def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
+    """:func:`walk` through the native helper where it is built: the same nodes in the same order
+    and the index, but the structure key is ``bytes`` (for the plan cache only; :func:`walk`
+    gives the tuple form :func:`build_plan` reads)."""
+    nat = native.module()
+    if nat is None:
+        return walk(root_edges, check_tensor_hooks, check_node_hooks)
+    nodes, key, index = nat.walk([n for n, _ in root_edges])
+    metas = [n._input_metadata for n in nodes]
+    hooked = None
+    if check_tensor_hooks or check_node_hooks:
+        hooked = find_hooks(nodes, check_tensor_hooks, check_node_hooks)
+    return nodes, metas, hooked, key, index
+
+
+def find_hooks(nodes, check_tensor_hooks: bool, check_node_hooks: bool) -> dict:
+    """Node index -> :class:`vjpgen.runtime.hooks.NodeHooks` for the nodes that have hooks."""
+    hooked = {}
+    for i, n in enumerate(nodes):
+        if type(n).__name__ == "AccumulateGrad":
+            if check_node_hooks:
+                h = hooks.node_hooks(n, False, True)
+                if h:
+                    hooked[i] = h
+            continue
+        h = hooks.node_hooks(n, check_tensor_hooks, check_node_hooks)
+        if h:
+            hooked[i] = h
+    return hooked
 
 
 # ------------------------------------------------------------------------------------------

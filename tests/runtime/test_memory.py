@@ -112,3 +112,43 @@ def test_leaf_grad_does_not_alias_the_callers_grad():
     expected = g.view(4, 4).clone()
     g.add_(1.0)
     torch.testing.assert_close(x.grad, expected)
+
+
+def test_native_walk_matches_the_python_walk():
+    if native.module() is None:
+        pytest.fail("the native helper did not build on this machine (see the vjpgen log warning)")
+
+    def graph(k):
+        x = torch.randn(3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        h = x.sin()
+        outs = [h * w, h.cos()] if k else [h * w, h.exp()]
+        y = torch.stack(outs).sum()
+        return y
+
+    y1, y2, y3 = graph(True), graph(True), graph(False)
+    fast = engine.walk_fast([(y1.grad_fn, 0)], False, False)
+    slow = engine.walk([(y1.grad_fn, 0)], False, False)
+    assert fast[0] == slow[0]  # the same node objects in the same order
+    assert fast[4] == slow[4]
+    assert [[tuple(m.shape) for m in md] for md in fast[1]] == [[tuple(m.shape) for m in md] for md in slow[1]]
+    k1 = fast[3]
+    k2 = engine.walk_fast([(y2.grad_fn, 0)], False, False)[3]
+    k3 = engine.walk_fast([(y3.grad_fn, 0)], False, False)[3]
+    assert k1 == k2, "the same structure must give the same key"
+    assert k1 != k3, "CosBackward0 vs ExpBackward0 must give different keys"
+    # a custom Function node and an invalid edge (an input that needs no grad) walk the same way
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * 2 + b
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2, None
+
+    a = torch.randn(3, requires_grad=True)
+    z = Double.apply(a.sin(), torch.randn(3)).sum()
+    fast = engine.walk_fast([(z.grad_fn, 0)], False, False)
+    slow = engine.walk([(z.grad_fn, 0)], False, False)
+    assert fast[0] == slow[0] and fast[4] == slow[4]
