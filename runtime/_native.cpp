@@ -1,6 +1,6 @@
 // vjpgen's native helpers: what Python cannot do to a live autograd graph.
 //
-// release(nodes): Node::release_variables() on each C++ node of a sequence, as the autograd
+// release(nodes): Node::release_variables() on each node of a sequence, as the autograd
 // engine does after running a node without retain_graph (the node drops its saved tensors).
 // walk(roots): the breadth-first walk of vjpgen.runtime.engine.walk over next_edges, without
 // building next_functions tuples: (nodes, structure key as bytes, {node: index}).
@@ -18,8 +18,18 @@
 
 namespace {
 
-// Returns how many nodes were released (custom Function nodes and other Python objects are
-// skipped: they keep their saved tensors in their ctx).
+c10::intrusive_ptr<torch::autograd::Node> node_of(PyObject* o) {
+  if (torch::autograd::THPCppFunction_Check(o)) {
+    return reinterpret_cast<torch::autograd::THPCppFunction*>(o)->cdata;
+  }
+  if (THPFunction_Check(o)) {
+    return reinterpret_cast<THPFunction*>(o)->cdata;
+  }
+  return {};
+}
+
+// Returns how many nodes were released (objects that are not autograd nodes are skipped). A
+// custom Function's node (PyNode) releases the tensors its ctx saved.
 Py_ssize_t release(pybind11::handle nodes) {
   PyObject* seq = PySequence_Fast(nodes.ptr(), "vjpgen native.release: expected a sequence of nodes");
   if (seq == nullptr) {
@@ -30,26 +40,14 @@ Py_ssize_t release(pybind11::handle nodes) {
   Py_ssize_t released = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* o = items[i];
-    if (torch::autograd::THPCppFunction_Check(o)) {
-      auto* f = reinterpret_cast<torch::autograd::THPCppFunction*>(o);
-      if (f->cdata) {
-        f->cdata->release_variables();
-        ++released;
-      }
+    auto fn = node_of(o);
+    if (fn) {
+      fn->release_variables();
+      ++released;
     }
   }
   Py_DECREF(seq);
   return released;
-}
-
-c10::intrusive_ptr<torch::autograd::Node> node_of(PyObject* o) {
-  if (torch::autograd::THPCppFunction_Check(o)) {
-    return reinterpret_cast<torch::autograd::THPCppFunction*>(o)->cdata;
-  }
-  if (THPFunction_Check(o)) {
-    return reinterpret_cast<THPFunction*>(o)->cdata;
-  }
-  return {};
 }
 
 // Nodes in breadth-first order from the roots (each once), the structure key and the index of
@@ -123,6 +121,6 @@ pybind11::tuple walk(pybind11::handle roots) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vjpgen native helpers: release_variables and the graph walk on live autograd nodes";
-  m.def("release", &release, "Node::release_variables() on each C++ node of a sequence");
+  m.def("release", &release, "Node::release_variables() on each node of a sequence");
   m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index})");
 }

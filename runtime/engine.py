@@ -172,7 +172,7 @@ def raw_saved_names(cls) -> tuple:
     names = _RAW_SAVED.get(cls)
     if names is None:
         if issubclass(cls, _BackwardCFunction):
-            names = ()  # a custom Function's ctx keeps its own saved tensors
+            names = ()  # a custom Function's ctx: only the native helper releases its saved tensors
         else:
             names = tuple(k for k in dir(cls) if k.startswith("_raw_saved_"))
         _RAW_SAVED[cls] = names
