@@ -6,7 +6,8 @@ A region's inputs are flattened (see :func:`vjpgen.runtime.capture.flatten`) int
 * ``T``: the tensors (saved tensors and incoming grads),
 * ``I``: ints that hold sizes (``SymInt`` saved values, shapes of the inputs grads flow into).
 
-An entry compiled with everything static is found by the exact key ``(S, metadata of T, I)``.
+An entry compiled with everything static is found by the exact key ``(S, I)`` and a C++ check of
+the metadata of ``T`` (dynamo's ``TensorGuards``: type, dtype, device, sizes, strides).
 When a lookup misses although the coarse key ``(S, dtype/device/rank of T, len(I))`` was seen
 before, the sizes that differ from the previous call are marked dynamic (torch.compile's automatic
 dynamic shapes) and the region is traced again with those sizes symbolic; such an entry is guarded
@@ -23,8 +24,45 @@ log = logging.getLogger("vjpgen")
 _GUARD_ARG = re.compile(r"L\['t(\d+)'\]")
 
 
+try:  # dynamo's C++ tensor check: Python type, dispatch keys, dtype, device, requires_grad, sizes, strides
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - torch without dynamo's C++ guards
+    _TensorGuards = None
+
+
 def full_key(S: tuple, T: list, I: list):
     return (S, tuple([(t.dtype, t.device, t.shape, t.stride()) for t in T]), tuple(I))
+
+
+def _tensor_meta(T) -> tuple:
+    return tuple([(type(t), t.dtype, t.device, t.requires_grad, t.shape, t.stride()) for t in T])
+
+
+class _MetaGuard:
+    """The Python form of :func:`tensor_guard`, for tensors dynamo's check cannot describe."""
+
+    __slots__ = ("meta",)
+
+    def __init__(self, T) -> None:
+        self.meta = _tensor_meta(T)
+
+    def check(self, *T) -> bool:
+        return _tensor_meta(T) == self.meta
+
+
+def tensor_guard(T: list):
+    """An object whose ``check(*T)`` is True when tensors match ``T``'s type, dtype, device,
+    requires_grad, sizes and strides (what a static compiled graph was specialized on)."""
+    if _TensorGuards is not None:
+        try:
+            return _TensorGuards(
+                *T,
+                dynamic_dims_sizes=[list(t.shape) for t in T],
+                dynamic_dims_strides=[list(t.stride()) for t in T],
+            )
+        except Exception:  # e.g. a tensor without strides: check in Python
+            pass
+    return _MetaGuard(T)
 
 
 def coarse_key(S: tuple, T: list, I: list):
@@ -86,11 +124,13 @@ class RegionCache:
         self.n_compiled = 0
 
     def lookup(self, S: tuple, T: list, I: list):
-        """Returns (Compiled or None, full key)."""
-        fk = full_key(S, T, I)
-        c = self.exact.get(fk)
-        if c is not None:
-            return c, fk
+        """Returns (Compiled or None, the exact key ``(S, I)``)."""
+        fk = (S, tuple(I))
+        entries = self.exact.get(fk)
+        if entries is not None:
+            for guard, c in entries:
+                if guard.check(*T):
+                    return c, fk
         if self.dynamic:
             lst = self.dynamic.get(coarse_key(S, T, I))
             if lst:
@@ -143,7 +183,7 @@ class RegionCache:
         if compiled.dynamic:
             self.dynamic.setdefault(coarse_key(S, T, I), []).insert(0, compiled)
         else:
-            self.exact[fk] = compiled
+            self.exact.setdefault(fk, []).insert(0, (tensor_guard(T), compiled))
 
 
 def _diff_reason(old, new) -> str:

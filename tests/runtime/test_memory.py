@@ -180,3 +180,24 @@ def test_custom_function_saved_tensors_released():
     gc.collect()
     assert ref() is None, "the custom Function's saved tensor outlived the backward"
     torch.testing.assert_close(x.grad, 2 * x.sin() * x.cos())
+
+
+def test_tensor_guard_checks_metadata_and_keeps_no_tensor_alive():
+    from vjpgen.runtime.cache import _MetaGuard, tensor_guard
+
+    a = torch.randn(3, 4)
+    p = torch.nn.Parameter(torch.randn(2))
+    for make in (tensor_guard, _MetaGuard):
+        g = make([a, p])
+        assert g.check(torch.randn(3, 4), torch.nn.Parameter(torch.randn(2)))
+        assert not g.check(torch.randn(4, 3).t(), p), "strides differ"
+        assert not g.check(torch.randn(3, 5), p), "sizes differ"
+        assert not g.check(a.double(), p), "dtype differs"
+        assert not g.check(a, torch.randn(2)), "type (Parameter) and requires_grad differ"
+    t = torch.randn(5)
+    ref = weakref.ref(t)
+    g = tensor_guard([t])
+    del t
+    gc.collect()
+    assert ref() is None, "a cache entry's guard must not keep a saved tensor alive"
+    assert g.check(torch.randn(5))
