@@ -30,10 +30,6 @@ except ImportError:  # pragma: no cover - torch without dynamo's C++ guards
     _TensorGuards = None
 
 
-def full_key(S: tuple, T: list, I: list):
-    return (S, tuple([(t.dtype, t.device, t.shape, t.stride()) for t in T]), tuple(I))
-
-
 def _tensor_meta(T) -> tuple:
     return tuple([(type(t), t.dtype, t.device, t.requires_grad, t.shape, t.stride()) for t in T])
 

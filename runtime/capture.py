@@ -267,6 +267,17 @@ def _identity(args):
     return args
 
 
+def _boxed(fn):
+    """``fn(*args)`` as a boxed callable that empties its argument list before calling."""
+
+    def run(args):
+        a = list(args)
+        args.clear()
+        return fn(*a)
+
+    return run
+
+
 def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
     """Compile a traced graph into a *boxed* callable: ``fn(args: list) -> list``.
 
@@ -280,14 +291,7 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
 
     fake_args = list(fake_args)
     if backend == "eager":
-        fwd = gm.forward
-
-        def run_eager(args):
-            a = list(args)
-            args.clear()
-            return fwd(*a)
-
-        return run_eager
+        return _boxed(gm.forward)
     if backend == "aot_eager":
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
@@ -302,13 +306,5 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
             return compile_fx(GmWrapper(gm, _identity), fake_args, config_patches={"size_asserts": False})
     if callable(backend):
         fn = backend(gm, fake_args)
-        if getattr(fn, "_boxed_call", False):
-            return fn
-
-        def run_user(args):
-            a = list(args)
-            args.clear()
-            return fn(*a)
-
-        return run_user
+        return fn if getattr(fn, "_boxed_call", False) else _boxed(fn)
     raise ValueError(f"vjpgen: unknown backend {backend!r} (expected 'inductor', 'aot_eager' or 'eager')")

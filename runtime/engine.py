@@ -1000,6 +1000,16 @@ def _owns_storage(t) -> bool:
     return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def _stealable(grad, var, ctx: CallContext) -> bool:
+    """AccumulateGrad may keep ``grad`` itself as ``var.grad``: nothing else of this call holds
+    it, it keeps no larger storage alive, and its layout obeys the gradient layout contract."""
+    return (
+        id(grad) not in ctx.protected
+        and (grad._base is None or _owns_storage(grad))
+        and _obeys_layout_contract(grad, var)
+    )
+
+
 def _clone_obey_contract(grad, var):
     if _non_overlapping_and_dense(var):
         return torch.empty_strided(var.shape, var.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
@@ -1016,9 +1026,7 @@ def accumulate_leaf(acc_node, grad, ctx: CallContext, node_hooks=None) -> None:
         and not var._post_accumulate_grad_hooks
         and var.grad is None
         and not grad.requires_grad
-        and id(grad) not in ctx.protected
-        and (grad._base is None or _owns_storage(grad))
-        and _obeys_layout_contract(grad, var)
+        and _stealable(grad, var, ctx)
     ):  # the common case: no hooks, no .grad yet, a fresh grad of the right layout is stolen
         var.grad = grad
         ctx.protected.add(id(grad))
@@ -1034,7 +1042,7 @@ def accumulate_leaf(acc_node, grad, ctx: CallContext, node_hooks=None) -> None:
     if grad is not None:
         vg = var.grad
         if vg is None:
-            if id(grad) not in ctx.protected and (grad._base is None or _owns_storage(grad)) and _obeys_layout_contract(grad, var):
+            if _stealable(grad, var, ctx):
                 var.grad = grad.detach()
             else:
                 var.grad = _clone_obey_contract(grad, var)

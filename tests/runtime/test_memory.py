@@ -25,12 +25,16 @@ def _graph():
     return x, loss, ref
 
 
+def _require_native():
+    if native.module() is None:
+        pytest.fail("the native helper did not build on this machine (see the vjpgen log warning)")
+
+
 @pytest.fixture(params=["native", "python"])
 def release_mode(request, monkeypatch):
     """Release through the native helper, and through the Python fallback (saved-tensor hooks)."""
     if request.param == "native":
-        if native.module() is None:
-            pytest.fail("the native helper did not build on this machine (see the vjpgen log warning)")
+        _require_native()
     else:
         monkeypatch.setitem(native._state, "module", None)
     return request.param
@@ -115,8 +119,7 @@ def test_leaf_grad_does_not_alias_the_callers_grad():
 
 
 def test_native_walk_matches_the_python_walk():
-    if native.module() is None:
-        pytest.fail("the native helper did not build on this machine (see the vjpgen log warning)")
+    _require_native()
 
     def graph(k):
         x = torch.randn(3, requires_grad=True)
@@ -155,8 +158,7 @@ def test_native_walk_matches_the_python_walk():
 
 
 def test_custom_function_saved_tensors_released():
-    if native.module() is None:
-        pytest.fail("the native helper did not build on this machine (see the vjpgen log warning)")
+    _require_native()
 
     class Square(torch.autograd.Function):
         @staticmethod
