@@ -112,32 +112,29 @@ class RegionCache:
 
     def __init__(self, label: str) -> None:
         self.label = label
-        self.exact: dict = {}
-        self.dynamic: dict = {}  # coarse key -> [Compiled]
+        self.by_S: dict = {}  # S -> (by_ints, by_meta), see tables()
         self.dyn_dims: dict = {}  # coarse key -> ({tensor index: set(dims)}, set(int positions))
         self.last: dict = {}  # coarse key -> (shapes, ints) of the last miss
         self.last_coarse = None
         self.n_compiled = 0
 
+    def tables(self, S: tuple):
+        """The entry tables of one static part ``S``: ``(by_ints, by_meta)``, where ``by_ints``
+        maps ``tuple(I)`` to static entries ``[(tensor guard, Compiled)]`` and ``by_meta`` maps
+        ``(dtype/device/rank of T, len(I))`` to dynamic entries ``[Compiled]``. The specialized
+        gathers of :mod:`vjpgen.runtime.fastpath` keep them, so a hit never hashes ``S``."""
+        t = self.by_S.get(S)
+        if t is None:
+            t = self.by_S[S] = ({}, {})
+        return t
+
     def lookup(self, S: tuple, T: list, I: list):
         """Returns (Compiled or None, the exact key ``(S, I)``)."""
         fk = (S, tuple(I))
-        entries = self.exact.get(fk)
-        if entries is not None:
-            for guard, c in entries:
-                if guard.check(*T):
-                    return c, fk
-        if self.dynamic:
-            lst = self.dynamic.get(coarse_key(S, T, I))
-            if lst:
-                a = T + I
-                for c in lst:
-                    try:
-                        if c.guard(a):
-                            return c, fk
-                    except Exception:  # a guard that cannot evaluate does not match
-                        continue
-        return None, fk
+        t = self.by_S.get(S)
+        if t is None:
+            return None, fk
+        return find(t[0], t[1], T, I, fk[1]), fk
 
     def plan_miss(self, S: tuple, T: list, I: list, labels_T=None, labels_I=None):
         """Decide how to compile after a miss: returns (dyn_dims, dyn_ints, reason)."""
@@ -176,10 +173,35 @@ class RegionCache:
 
     def add(self, S, T, I, fk, compiled: Compiled) -> None:
         self.n_compiled += 1
+        by_ints, by_meta = self.tables(S)
         if compiled.dynamic:
-            self.dynamic.setdefault(coarse_key(S, T, I), []).insert(0, compiled)
+            by_meta.setdefault(_meta_key(T, I), []).insert(0, compiled)
         else:
-            self.exact.setdefault(fk, []).insert(0, (tensor_guard(T), compiled))
+            by_ints.setdefault(fk[1], []).insert(0, (tensor_guard(T), compiled))
+
+
+def _meta_key(T: list, I: list):
+    return tuple([(t.dtype, t.device, t.dim()) for t in T]), len(I)
+
+
+def find(by_ints: dict, by_meta: dict, T: list, I: list, ints=None):
+    """The entry of one ``S``'s tables (see :meth:`RegionCache.tables`) whose guards pass, or None."""
+    entries = by_ints.get(tuple(I) if ints is None else ints)
+    if entries is not None:
+        for guard, c in entries:
+            if guard.check(*T):
+                return c
+    if by_meta:
+        lst = by_meta.get(_meta_key(T, I))
+        if lst:
+            a = T + I
+            for c in lst:
+                try:
+                    if c.guard(a):
+                        return c
+                except Exception:  # a guard that cannot evaluate does not match
+                    continue
+    return None
 
 
 def _diff_reason(old, new) -> str:

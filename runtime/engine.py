@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from . import capture, custom_function, hooks, native
-from .cache import Compiled, RegionCache, make_guard
+from . import capture, custom_function, fastpath, hooks, native
+from .cache import Compiled, RegionCache, find, make_guard
 from .stats import STATS, record_break
 
 log = logging.getLogger("vjpgen")
@@ -257,7 +257,9 @@ class NodeInfo:
 
 
 class Region:
-    __slots__ = ("nodes", "in_slots", "out_slots", "out_replace", "cache", "label", "index", "drop_in")
+    __slots__ = (
+        "nodes", "in_slots", "out_slots", "out_replace", "cache", "label", "index", "drop_in", "fast", "fast_keys",
+    )
 
     def __init__(self, index, nodes):
         self.index = index
@@ -268,6 +270,8 @@ class Region:
         self.drop_in = []  # in_slots nothing reads after this region: dropped before its call
         self.label = f"region {index}"
         self.cache = RegionCache(self.label)
+        self.fast: list = []  # specialized gathers (see fastpath): (fn, by_ints, by_meta)
+        self.fast_keys: set = set()  # the S each was built for (or failed to build for)
 
 
 class LiveStep:
@@ -789,15 +793,16 @@ def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
         _run_live(i, plan, nodes, metas, buf, ctx)
 
 
-def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext) -> bool:
-    """Run one compiled region; returns False when it had to be interpreted (trace failure)."""
+def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext):
+    """The general path of :func:`_run_region`: flatten, look up, trace and compile on a miss.
+    Returns (Compiled, T, I), or Nones when the region had to be interpreted."""
     try:
         S, T, I, tid, _, _ = _gather(region, plan, nodes, metas, buf)
     except _NodeTraceError as e:
         if isinstance(e.exc, RuntimeError) and _SECOND_BACKWARD in str(e.exc):
             raise e.exc from None  # this graph was freed by an earlier backward: not a graph break
         _break_region(e, region, plan, nodes, metas, buf, ctx, "get_state")
-        return False
+        return None, None, None
     compiled, fk = region.cache.lookup(S, T, I)
     if compiled is None:
         _, _, _, _, lT, lI = _gather(region, plan, nodes, metas, buf, labels=True)
@@ -815,7 +820,7 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         except _NodeTraceError as e:
             if not (dd or di):
                 _break_region(e, region, plan, nodes, metas, buf, ctx, "tracing")
-                return False
+                return None, None, None
             # some aten meta kernels reject symbolic sizes (e.g. upsample_*_backward): specialize
             # this shape instead of breaking the graph (an exact-match entry, as torch.compile
             # falls back to static shapes)
@@ -825,11 +830,31 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
                 compiled = _compile_region(region, plan, S, T, I, {}, set(), ctx.backend, lT, lI)
             except _NodeTraceError as e2:
                 _break_region(e2, region, plan, nodes, metas, buf, ctx, "tracing")
-                return False
+                return None, None, None
         STATS.compiles += 1
         for i in region.nodes:
             STATS.nodes_compiled_by_class[plan.infos[i].name] += 1
         region.cache.add(S, T, I, fk, compiled)
+    else:
+        STATS.cache_hits += 1
+        compiled.hits += 1
+    # later calls with this S gather through a specialization (before the nodes release their state)
+    fastpath.remember(region, plan, nodes, metas, buf, S)
+    return compiled, T, I
+
+
+def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext) -> bool:
+    """Run one compiled region; returns False when it had to be interpreted (trace failure)."""
+    compiled = None
+    if region.fast:  # a structure seen before: its specialized gather and tables
+        r = fastpath.lookup(region, nodes, metas, buf)
+        if r is not None:
+            T, I, by_ints, by_meta = r
+            compiled = find(by_ints, by_meta, T, I)
+    if compiled is None:
+        compiled, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, ctx)
+        if compiled is None:
+            return False
     else:
         STATS.cache_hits += 1
         compiled.hits += 1
