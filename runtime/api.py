@@ -60,6 +60,9 @@ def _tensors(x) -> tuple:
 
 
 def _gradient_edge(t: torch.Tensor, what: str, i: int):
+    fn = getattr(t, "grad_fn", None)
+    if fn is not None:  # a non-leaf tensor: the edge is its grad_fn (get_gradient_edge, faster)
+        return (fn, t.output_nr)
     if isinstance(t, torch.autograd.graph.GradientEdge):
         return (t.node, t.output_nr)
     if not t.requires_grad:
