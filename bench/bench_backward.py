@@ -11,6 +11,9 @@ Method (stated again in the results file):
   ``torch.utils.benchmark.Timer.blocked_autorange`` after a warm-up. The methods are timed in
   interleaved rounds (each round times every method once) so machine noise hits all alike; the
   reported value is the median over all blocks of all rounds.
+* Training step: the same timing of a whole step on a fresh graph (grads set to None, forward,
+  backward without ``retain_graph``), which is what a training loop runs; the eager forward alone
+  (under ``no_grad``) is timed beside it for scale.
 * eager / vjpgen / compiled autograd take the graph of an eager forward; torch.compile backwards the
   graph of its compiled forward (AOTAutograd's joint graph partitioned into a compiled backward).
   Compiled autograd and Inductor run with static shapes (``dynamic=False``), as vjpgen's first
@@ -22,6 +25,7 @@ Method (stated again in the results file):
 * Peak memory: bytes allocated by torch's allocator during one backward (no retain_graph) above
   the level at its start, from ``torch.profiler`` memory events (profile_memory=True), which see
   Inductor's buffers too; the forward runs inside the profile so frees of saved activations count.
+  Grads are set to None before the forward, outside the measured window.
   On CUDA ``torch.cuda.max_memory_allocated``.
 * Matmul floor: the mm/bmm/addmm/baddbmm calls that eager's backward makes (recorded with a
   TorchDispatchMode), replayed alone on fresh tensors of the same sizes, strides and dtypes.
@@ -166,10 +170,15 @@ def zero(params):
 _MARK_BYTES = 12347 * 4  # a marker allocation of a size nothing else uses
 
 
-def peak_backward_bytes(forward, backward, device, ctx=None):
-    """Bytes allocated above the level at the start of ``backward(forward())``'s backward."""
+def peak_backward_bytes(forward, backward, device, ctx=None, before=None):
+    """Bytes allocated above the level at the start of ``backward(forward())``'s backward.
+    ``before()`` runs first, outside the measurement (e.g. setting grads to None: freeing the
+    previous step's grads inside the window would offset new allocations by an amount that
+    depends on what ran before)."""
     import contextlib
 
+    if before is not None:
+        before()
     cm = ctx() if ctx is not None else contextlib.nullcontext()
     if device.startswith("cuda"):
         with cm:
@@ -444,18 +453,73 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
     res["blocks"] = {k: v[1] for k, v in t.items()}
     log("  [" + name + "] " + ", ".join(f"{k} {v[0] * 1e3:.2f} ms" for k, v in t.items()))
 
+    # training step: a fresh graph every step (zero grads, forward, backward without retain_graph);
+    # no reseeding here (torch.manual_seed costs more than a small model's forward)
+    me, mv, mc = models["eager"], models["vjpgen"], models["compiled autograd"]
+
+    def fe():
+        return loss_fn(me, *args)
+
+    def fv():
+        return loss_fn(mv, *args)
+
+    def fc():
+        return loss_fn(mc, *args)
+
+    def s_eager():
+        zero(pe)
+        fe().backward()
+
+    def s_vjpgen():
+        zero(pv)
+        rt.backward(fv(), backend="inductor")
+
+    def s_ca():
+        zero(pc)
+        fc().backward()
+
+    def s_tc():
+        zero(pt)
+        cfwd().backward()
+
+    def s_fwd():
+        zero(pe)
+        with torch.no_grad():
+            fe()
+
+    steps = {"eager": s_eager, "vjpgen": s_vjpgen}
+    if "compiled autograd" in fns:
+        steps["compiled autograd"] = s_ca
+    if "torch.compile" in fns:
+        steps["torch.compile"] = s_tc
+    steps["eager forward (no grad)"] = s_fwd
+    for k, f in steps.items():  # warm-up
+        cm = ctx.get(k)
+        for _ in range(3):
+            if cm is not None:
+                with cm():
+                    f()
+            else:
+                f()
+    _sync(device)
+    t = interleaved(steps, threads, rounds, min_run_time, ctx)
+    res["step_ms"] = {k: v[0] * 1e3 for k, v in t.items()}
+    s = rt.stats()
+    res["vjpgen_recompiles_steps"] = s["recompiles"] - res["vjpgen_recompiles"]
+    log("  [" + name + "] training step: " + ", ".join(f"{k} {v[0] * 1e3:.2f} ms" for k, v in t.items()))
+
     # peak memory during one backward (fresh graph, no retain_graph)
     mem = {}
-    mem["eager"] = peak_backward_bytes(fwd_of("eager"), lambda l: (zero(pe), l.backward()), device)
+    mem["eager"] = peak_backward_bytes(fwd_of("eager"), lambda l: l.backward(), device, before=lambda: zero(pe))
     mem["vjpgen"] = peak_backward_bytes(
-        fwd_of("vjpgen"), lambda l: (zero(pv), rt.backward(l, backend="inductor")), device
+        fwd_of("vjpgen"), lambda l: rt.backward(l, backend="inductor"), device, before=lambda: zero(pv)
     )
     if "compiled autograd" in fns:
         mem["compiled autograd"] = peak_backward_bytes(
-            fwd_of("compiled autograd"), lambda l: (zero(pc), l.backward()), device, compiled_autograd_ctx
+            fwd_of("compiled autograd"), lambda l: l.backward(), device, compiled_autograd_ctx, before=lambda: zero(pc)
         )
     if "torch.compile" in fns:
-        mem["torch.compile"] = peak_backward_bytes(tc_fwd, lambda l: (zero(pt), l.backward()), device)
+        mem["torch.compile"] = peak_backward_bytes(tc_fwd, lambda l: l.backward(), device, before=lambda: zero(pt))
     res["peak_mem_bytes"] = mem
     s = rt.stats()
     res["vjpgen_recompiles_total"] = s["recompiles"]
@@ -612,6 +676,25 @@ def model_table(results):
             f"| {r['model']} | {r['n_nodes']} | {e:.2f} | {c('vjpgen')} | {c('compiled autograd')} | "
             f"{c('torch.compile')} | {c('matmul floor')} | {c('matmul+extern floor')} |"
         )
+    return "\n".join(lines)
+
+
+def step_table(results):
+    lines = ["| model | eager step ms | vjpgen | compiled autograd | torch.compile | eager forward alone (no grad) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        st = r.get("step_ms")
+        if not st:
+            continue
+        e = st["eager"]
+
+        def c(k):
+            if k not in st:
+                return "failed"
+            return f"{st[k]:.2f} ms ({st[k] / e:.2f}×)"
+
+        lines.append(f"| {r['model']} | {e:.2f} | {c('vjpgen')} | {c('compiled autograd')} | {c('torch.compile')} | "
+                     f"{c('eager forward (no grad)')} |")
     return "\n".join(lines)
 
 
@@ -793,6 +876,19 @@ def targets(out):
             verdict, margin = _verdict(st["vjpgen"] / st["eager"], 1.0)
             rows.append(("small overhead-bound model: no slower than eager", r["model"],
                          f"vjpgen {st['vjpgen']:.2f} ms vs eager {st['eager']:.2f} ms", verdict, margin))
+    for r in models:
+        st = r.get("step_ms")
+        if not st:
+            continue
+        peers = [st[k] for k in ("compiled autograd", "torch.compile") if k in st]
+        if peers:
+            verdict, margin = _verdict(st["vjpgen"] / min(peers), 1.0)
+            rows.append(("training step (fresh graph, forward + backward) ≤ fastest peer", r["model"],
+                         f"vjpgen {st['vjpgen']:.2f} ms vs {min(peers):.2f} ms", verdict, margin))
+        if r["model"] in SMALL:
+            verdict, margin = _verdict(st["vjpgen"] / st["eager"], 1.0)
+            rows.append(("small model training step (fresh graph) no slower than eager", r["model"],
+                         f"vjpgen {st['vjpgen']:.2f} ms vs eager {st['eager']:.2f} ms", verdict, margin))
     ov = out["cpu"].get("overhead") or []
     for o in ov:
         verdict, margin = _verdict(o["per_node_us"], 5.0, " µs")
@@ -859,6 +955,12 @@ def render(out, a, argv):
     models = out["cpu"].get("models")
     if models:
         parts.append("## Steady-state backward per step (CPU; median, ratio to eager)\n\n" + model_table(models))
+        parts.append(
+            "## Training step: a fresh graph every step (CPU; median, ratio to eager)\n\n"
+            "Zero grads, forward, backward without `retain_graph`, as a training loop runs: vjpgen reads a "
+            "new graph's nodes and saved tensors every step (the table above backwards one retained "
+            "graph). torch.compile runs its compiled forward.\n\n" + step_table(models)
+        )
         parts.append("## First step (compile)\n\n" + first_table(models))
         parts.append("## Peak memory allocated during one backward\n\n" + mem_table(models))
         notes = []
