@@ -1,7 +1,7 @@
 """vjpgen's native helper (``_native.cpp``): ``Node::release_variables()`` from Python.
 
 The extension is built on first use with :func:`torch.utils.cpp_extension.load` (about 15 s with
-gcc, once per torch release; the build lives under vjpgen's cache folder, see
+gcc, once per torch release and helper source; the build lives under vjpgen's cache folder, see
 :func:`vjpgen.codegen.environment.cache_root`). Where it cannot be built (no compiler, or
 ``VJPGEN_NATIVE=0``) the runtime releases saved tensors through Python instead (slower, same
 effect; see :func:`vjpgen.runtime.engine.release_saved`), and says so once in the log.
@@ -9,6 +9,7 @@ effect; see :func:`vjpgen.runtime.engine.release_saved`), and says so once in th
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -42,11 +43,19 @@ def _load():
 
         from vjpgen.codegen.environment import cache_root
 
-        build = cache_root() / "native" / f"torch-{torch.__version__}"
+        # keyed by the source's content, and built from a copy inside the folder: every checkout of
+        # the same source shares one build (the build command names the source's path)
+        text = _SOURCE.read_bytes()
+        build = cache_root() / "native" / f"torch-{torch.__version__}" / hashlib.sha256(text).hexdigest()[:16]
         build.mkdir(parents=True, exist_ok=True)
+        src = build / _SOURCE.name
+        if not src.exists() or src.read_bytes() != text:
+            tmp = build / f".{_SOURCE.name}.{os.getpid()}"
+            tmp.write_bytes(text)
+            os.replace(tmp, src)  # atomic: a concurrent build never sees half a file
         return load(
             name="vjpgen_native",
-            sources=[str(_SOURCE)],
+            sources=[str(src)],
             build_directory=str(build),
             extra_cflags=["-O2"],
             verbose=False,
@@ -58,7 +67,6 @@ def _load():
             type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "",
         )
         return None
-
 
 
 def main() -> int:
