@@ -2,15 +2,23 @@
 //
 // release(nodes): Node::release_variables() on each node of a sequence, as the autograd
 // engine does after running a node without retain_graph (the node drops its saved tensors).
-// walk(roots): the breadth-first walk of vjpgen.runtime.engine.walk over next_edges, without
-// building next_functions tuples: (nodes, structure key as bytes, {node: index}).
+// walk(roots[, meta_type]): the breadth-first walk of vjpgen.runtime.engine.walk over next_edges,
+// without building next_functions tuples: (nodes, structure key as bytes, {node: index}), and
+// with meta_type also each node's input metadata as tuples of meta_type (a namedtuple class
+// with the fields shape, dtype, device, is_nested_tensor, is_cpp_nested_tensor).
+// stealable(grad, var): whether AccumulateGrad may keep grad itself as var.grad.
 // Built on first use by vjpgen/runtime/native.py with torch.utils.cpp_extension.
 
+#include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/utils/grad_layout_contract.h>
 
 #include <cstdint>
+#include <map>
 #include <unordered_map>
 #include <vector>
 
@@ -50,11 +58,87 @@ Py_ssize_t release(pybind11::handle nodes) {
   return released;
 }
 
+// A new reference to the torch.device object of a device (one object per device, kept).
+PyObject* device_object(const c10::Device& d) {
+  static std::map<std::pair<int, int>, PyObject*> cache;
+  auto k = std::make_pair(static_cast<int>(d.type()), static_cast<int>(d.index()));
+  auto it = cache.find(k);
+  if (it == cache.end()) {
+    PyObject* o = THPDevice_New(d);
+    if (o == nullptr) {
+      throw pybind11::error_already_set();
+    }
+    it = cache.emplace(k, o).first;
+  }
+  Py_INCREF(it->second);
+  return it->second;
+}
+
+// A node's input metadata: a tuple of meta_type instances, or the node's own _input_metadata
+// (pybind objects with the same attributes) where an input is unusual: default constructed,
+// nested, a tensor subclass or of symbolic shape.
+PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle meta_type) {
+  auto n = fn->num_inputs();
+  bool plain = true;
+  for (uint32_t k = 0; k < n && plain; ++k) {
+    const auto& md = fn->input_metadata(k);
+    if (md.was_default_constructed() || md.is_nested_tensor() || md.is_tensor_subclass()) {
+      plain = false;
+      break;
+    }
+    for (const auto& s : md.shape_as_dim_vector()) {
+      if (s.is_heap_allocated()) {
+        plain = false;
+        break;
+      }
+    }
+  }
+  if (!plain) {
+    PyObject* r = PyObject_GetAttrString(obj, "_input_metadata");
+    if (r == nullptr) {
+      throw pybind11::error_already_set();
+    }
+    return r;
+  }
+  auto* tp = reinterpret_cast<PyTypeObject*>(meta_type.ptr());
+  PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(n));
+  if (out == nullptr) {
+    throw pybind11::error_already_set();
+  }
+  pybind11::object out_owner = pybind11::reinterpret_steal<pybind11::object>(out);
+  for (uint32_t k = 0; k < n; ++k) {
+    const auto& md = fn->input_metadata(k);
+    auto shape = md.shape_as_dim_vector();
+    PyObject* sh = PyTuple_New(static_cast<Py_ssize_t>(shape.size()));
+    if (sh == nullptr) {
+      throw pybind11::error_already_set();
+    }
+    for (size_t d = 0; d < shape.size(); ++d) {
+      PyTuple_SET_ITEM(sh, static_cast<Py_ssize_t>(d), PyLong_FromLongLong(shape[d].as_int_unchecked()));
+    }
+    PyObject* dt = reinterpret_cast<PyObject*>(torch::getTHPDtype(c10::typeMetaToScalarType(md.dtype())));
+    Py_INCREF(dt);
+    PyObject* m = tp->tp_alloc(tp, 5);  // a namedtuple instance: a tuple subclass of 5 items
+    if (m == nullptr) {
+      Py_DECREF(sh);
+      Py_DECREF(dt);
+      throw pybind11::error_already_set();
+    }
+    PyTuple_SET_ITEM(m, 0, sh);
+    PyTuple_SET_ITEM(m, 1, dt);
+    PyTuple_SET_ITEM(m, 2, device_object(md.device()));
+    PyTuple_SET_ITEM(m, 3, Py_NewRef(Py_False));
+    PyTuple_SET_ITEM(m, 4, Py_NewRef(Py_False));
+    PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(k), m);
+  }
+  return out_owner.release().ptr();
+}
+
 // Nodes in breadth-first order from the roots (each once), the structure key and the index of
 // each node object. Per node the key holds: the node's Python type (its address), the number of
 // inputs, the number of edges and per edge (index of the next node, input_nr), or (-1, 0) for an
 // invalid edge. Equal keys mean the same graph structure within this process.
-pybind11::tuple walk(pybind11::handle roots) {
+pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type) {
   PyObject* seq = PySequence_Fast(roots.ptr(), "vjpgen native.walk: expected a sequence of nodes");
   if (seq == nullptr) {
     throw pybind11::error_already_set();
@@ -114,7 +198,37 @@ pybind11::tuple walk(pybind11::handle roots) {
     }
   }
   pybind11::bytes kb(reinterpret_cast<const char*>(key.data()), key.size() * sizeof(int64_t));
-  return pybind11::make_tuple(nodes, kb, index);
+  if (meta_type.is_none()) {
+    return pybind11::make_tuple(nodes, kb, index);
+  }
+  pybind11::list metas(static_cast<Py_ssize_t>(order.size()));
+  for (size_t i = 0; i < order.size(); ++i) {
+    PyObject* m = node_metas(order[i], PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(i)), meta_type);
+    PyList_SET_ITEM(metas.ptr(), static_cast<Py_ssize_t>(i), m);  // steals m
+  }
+  return pybind11::make_tuple(nodes, kb, index, metas);
+}
+
+// Whether AccumulateGrad may keep `grad` itself as `var.grad` (vjpgen.runtime.engine._stealable
+// without its per-call part): grad is not a view into a larger storage, and it obeys the gradient
+// layout contract with var (as AccumulateGrad::accumulateGrad requires to steal).
+bool stealable(pybind11::handle grad, pybind11::handle var) {
+  if (!THPVariable_Check(grad.ptr()) || !THPVariable_Check(var.ptr())) {
+    return false;
+  }
+  const at::Tensor& g = THPVariable_Unpack(grad.ptr());
+  const at::Tensor& v = THPVariable_Unpack(var.ptr());
+  if (!g.defined() || !v.defined() || g.is_sparse() || g.is_sparse_csr() || v.is_sparse() ||
+      v.is_sparse_csr() || v.is_nested() || g.is_nested()) {
+    return false;
+  }
+  if (g.is_view()) {  // stealing a view keeps its whole storage alive: only when that is all of it
+    if (g.storage_offset() != 0 || !g.has_storage() ||
+        g.storage().nbytes() != static_cast<size_t>(g.numel()) * g.itemsize()) {
+      return false;
+    }
+  }
+  return torch::autograd::utils::obeys_layout_contract(g, v);
 }
 
 }  // namespace
@@ -122,5 +236,7 @@ pybind11::tuple walk(pybind11::handle roots) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vjpgen native helpers: release_variables and the graph walk on live autograd nodes";
   m.def("release", &release, "Node::release_variables() on each node of a sequence");
-  m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index})");
+  m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas])",
+        pybind11::arg("roots"), pybind11::arg("meta_type") = pybind11::none());
+  m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

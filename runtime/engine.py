@@ -22,6 +22,7 @@ import gc
 import heapq
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -120,15 +121,26 @@ def walk(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
     return nodes, metas, hooked, tuple(key), index
 
 
+class EdgeMeta(NamedTuple):
+    """A node input's metadata as the native walk reads it: the attributes of torch's
+    ``_InputMetadata`` that vjpgen uses, as a tuple (cheaper to build and to read)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    is_nested_tensor: bool
+    is_cpp_nested_tensor: bool
+
+
 def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
     """:func:`walk` through the native helper where it is built: the same nodes in the same order
     and the index, but the structure key is ``bytes`` (for the plan cache only; :func:`walk`
-    gives the tuple form :func:`build_plan` reads)."""
+    gives the tuple form :func:`build_plan` reads), and the input metadata are :class:`EdgeMeta`
+    (torch's ``_InputMetadata`` objects for unusual inputs: nested, subclass, symbolic)."""
     nat = native.module()
     if nat is None:
         return walk(root_edges, check_tensor_hooks, check_node_hooks)
-    nodes, key, index = nat.walk([n for n, _ in root_edges])
-    metas = [n._input_metadata for n in nodes]
+    nodes, key, index, metas = nat.walk([n for n, _ in root_edges], EdgeMeta)
     hooked = None
     if check_tensor_hooks or check_node_hooks:
         hooked = find_hooks(nodes, check_tensor_hooks, check_node_hooks)
@@ -1028,11 +1040,12 @@ def _owns_storage(t) -> bool:
 def _stealable(grad, var, ctx: CallContext) -> bool:
     """AccumulateGrad may keep ``grad`` itself as ``var.grad``: nothing else of this call holds
     it, it keeps no larger storage alive, and its layout obeys the gradient layout contract."""
-    return (
-        id(grad) not in ctx.protected
-        and (grad._base is None or _owns_storage(grad))
-        and _obeys_layout_contract(grad, var)
-    )
+    if id(grad) in ctx.protected:
+        return False
+    nat = native.module()
+    if nat is not None:
+        return nat.stealable(grad, var)
+    return (grad._base is None or _owns_storage(grad)) and _obeys_layout_contract(grad, var)
 
 
 def _clone_obey_contract(grad, var):

@@ -203,3 +203,73 @@ def test_tensor_guard_checks_metadata_and_keeps_no_tensor_alive():
     gc.collect()
     assert ref() is None, "a cache entry's guard must not keep a saved tensor alive"
     assert g.check(torch.randn(5))
+
+
+def _meta_tuple(m):
+    return (tuple(m.shape), m.dtype, m.device, m.is_nested_tensor, m.is_cpp_nested_tensor)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_native_walk_metadata_matches_torch(name):
+    """The native walk's input metadata equal torch's _InputMetadata attribute by attribute,
+    also for float64 / int inputs, expanded grads and an unused (invalid) input."""
+    _require_native()
+    from vjpgen.runtime import demo
+
+    model, batch, loss_fn = demo.MODELS[name]("cpu")
+    roots = [loss_fn(model, *batch(0))]
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    roots.append((x.expand(4, 2, 3).to(torch.float32) * torch.arange(3)).sum())
+    a = torch.randn(3, requires_grad=True)
+    roots.append(torch.stack([a, torch.randn(3)]).sum())
+    for r in roots:
+        nodes, metas, _, _, _ = engine.walk_fast([(r.grad_fn, 0)], False, False)
+        assert any(type(md) is not engine.EdgeMeta for mds in metas for md in mds) is False
+        for n, md in zip(nodes, metas):
+            assert [_meta_tuple(m) for m in md] == [_meta_tuple(m) for m in n._input_metadata], type(n).__name__
+
+
+def test_native_walk_metadata_of_nested_inputs_falls_back_to_torch():
+    _require_native()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors are a prototype API
+        nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], requires_grad=True)
+    r = torch.nested.to_padded_tensor((nt * 2).sin(), 0.0).sum()
+    nodes, metas, _, _, _ = engine.walk_fast([(r.grad_fn, 0)], False, False)
+    kinds = {type(n).__name__: type(md[0]) for n, md in zip(nodes, metas)}
+    assert kinds["SumBackward0"] is engine.EdgeMeta
+    assert kinds["SinBackward0"] is not engine.EdgeMeta  # torch's own object: nested shape
+    for n, md in zip(nodes, metas):
+        assert [(m.is_nested_tensor, m.dtype, m.device) for m in md] == [
+            (m.is_nested_tensor, m.dtype, m.device) for m in n._input_metadata
+        ]
+
+
+def test_native_stealable_matches_the_python_rule():
+    """AccumulateGrad's steal condition in C++ equals the Python rule (whole-storage views only,
+    gradient layout contract) on the layouts a compiled graph hands back."""
+    _require_native()
+    nat = native.module()
+    base = torch.randn(6, 4)
+    var = torch.randn(4, 6)
+    var_cl = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    cases = [
+        (torch.randn(4, 6), var, True),  # fresh, same layout
+        (base.t(), var, False),  # a whole-storage view, but strides differ from var's
+        (torch.randn(6, 4).t(), torch.randn(6, 4).t(), True),  # whole-storage view, same strides
+        (torch.randn(8, 6)[:4], var, False),  # a view of a larger storage
+        (torch.randn(1, 6).expand(4, 6), var, False),  # stride 0
+        (torch.randn(2, 3, 4, 5), var_cl, False),  # contiguous grad, channels_last var
+        (torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), var_cl, True),
+        (torch.randn(1, 6), torch.randn(1, 6), True),
+    ]
+    ctx = engine.CallContext("eager")
+    for grad, v, expected in cases:
+        py = (grad._base is None or engine._owns_storage(grad)) and engine._obeys_layout_contract(grad, v)
+        assert nat.stealable(grad, v) == py == expected, (grad.shape, grad.stride(), v.stride())
+        assert engine._stealable(grad, v, ctx) == expected
+    g = torch.randn(4, 6)
+    ctx.protected.add(id(g))
+    assert not engine._stealable(g, var, ctx)  # held elsewhere in this call
