@@ -1,10 +1,11 @@
-"""vjpgen's native helper (``_native.cpp``): ``Node::release_variables()`` from Python.
+"""vjpgen's native helper (``_native.cpp``): ``Node::release_variables()`` from Python, the graph
+walk with the nodes' input metadata, and AccumulateGrad's steal check.
 
 The extension is built on first use with :func:`torch.utils.cpp_extension.load` (about 15 s with
 gcc, once per torch release and helper source; the build lives under vjpgen's cache folder, see
 :func:`vjpgen.codegen.environment.cache_root`). Where it cannot be built (no compiler, or
-``VJPGEN_NATIVE=0``) the runtime releases saved tensors through Python instead (slower, same
-effect; see :func:`vjpgen.runtime.engine.release_saved`), and says so once in the log.
+``VJPGEN_NATIVE=0``) the runtime does all of it in Python instead (slower, same effect; see
+:func:`vjpgen.runtime.engine.release_saved`), and says so once in the log.
 """
 
 from __future__ import annotations
