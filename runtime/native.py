@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -44,10 +45,14 @@ def _load():
 
         from vjpgen.codegen.environment import cache_root
 
-        # keyed by the source's content, and built from a copy inside the folder: every checkout of
-        # the same source shares one build (the build command names the source's path)
+        # keyed by the source's content and the torch and Python installs whose headers it is built
+        # against, and built from a copy inside the folder: checkouts of the same source on the same
+        # environment share one build (the build command names every one of those paths), and two
+        # environments do not rebuild over each other
         text = _SOURCE.read_bytes()
-        build = cache_root() / "native" / f"torch-{torch.__version__}" / hashlib.sha256(text).hexdigest()[:16]
+        env = f"{Path(torch.__file__).parent}\0{sysconfig.get_paths()['include']}".encode()
+        key = hashlib.sha256(text + b"\0" + env).hexdigest()[:16]
+        build = cache_root() / "native" / f"torch-{torch.__version__}" / key
         build.mkdir(parents=True, exist_ok=True)
         src = build / _SOURCE.name
         if not src.exists() or src.read_bytes() != text:
