@@ -862,7 +862,10 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         r = fastpath.lookup(region, nodes, metas, buf)
         if r is not None:
             T, I, by_ints, by_meta = r
-            compiled = find(by_ints, by_meta, T, I)
+            try:
+                compiled = find(by_ints, by_meta, T, I)
+            except TypeError:  # e.g. an unhashable SymInt among the sizes: the general path decides
+                compiled = None
     if compiled is None:
         compiled, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, ctx)
         if compiled is None:

@@ -15,6 +15,7 @@ used when it reproduces that ``S`` exactly on the same inputs (checked once, whe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -26,6 +27,7 @@ log = logging.getLogger("vjpgen")
 _Tensor = torch.Tensor
 # values that are their own singletons: compared by identity
 _SINGLETON_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+_MARKERS = (capture._T, capture._I, capture._SEQ, capture._DC)  # strings flatten() escapes
 _MAX_PER_REGION = 4  # specializations kept per region (structures that alternate, e.g. train/eval)
 
 
@@ -38,13 +40,17 @@ class _Writer:
         self.S: list = []
         self.tid: dict = {}  # id(tensor) -> position in T (as the general path dedupes)
         self.nT = 0
-        self.nested = False
+        self.n_locals = 0
         self.keep: list = []  # the values read while building: their ids must not be reused
 
     def const(self, obj) -> str:
         name = f"c{len(self.consts)}"
         self.consts[name] = obj
         return name
+
+    def local(self) -> str:
+        self.n_locals += 1
+        return f"q{self.n_locals}"
 
     def emit(self, line: str) -> None:
         self.lines.append("    " + line)
@@ -92,15 +98,32 @@ class _Writer:
             self.emit(f"v = {expr}")
             self.emit(f"if type(v) is not {self.const(tp)} or len(v) != {len(v)}: return None")
             S.extend((capture._SEQ, tp, len(v)))
-            if sym:
-                self.emit("if not all_int(v): return None")
+            if sym:  # sizes: plain ints in eager autograd (anything else fails the lookup's hash)
                 self.emit("extI(v)")
                 S.extend([capture._I] * len(v))
             else:
                 self.emit(f"if v != {self.const(tuple(v))}: return None" if tp is not list else
                           f"if v != {self.const(list(v))}: return None")
                 S.extend(v)
-        else:  # anything else (nested sequences, dataclasses, other constants): the general code
+        elif tp is str and v not in _MARKERS:
+            self.emit(f"v = {expr}")
+            self.emit(f"if type(v) is not str or v != {self.const(v)}: return None")
+            S.append(v)
+        elif tp is tuple or tp is list or tp is torch.Size:  # a sequence of other values: each in turn
+            q = self.local()
+            self.emit(f"{q} = {expr}")
+            self.emit(f"if type({q}) is not {self.const(tp)} or len({q}) != {len(v)}: return None")
+            S.extend((capture._SEQ, tp, len(v)))
+            for k, x in enumerate(v):
+                self.value(x, f"{q}[{k}]", sym)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):  # e.g. TensorOptions: field by field
+            q = self.local()
+            self.emit(f"{q} = {expr}")
+            self.emit(f"if type({q}) is not {self.const(tp)}: return None")
+            S.extend((capture._DC, tp))
+            for f in dataclasses.fields(v):
+                self.value(getattr(v, f.name), f"{q}.{f.name}", sym or f.name.startswith("sym_"))
+        else:  # anything else (unhashable or unusual constants): the general code
             seg: list = []
             Ttmp: list = [None] * self.nT
             tid = dict(self.tid)
@@ -110,18 +133,10 @@ class _Writer:
             for t in Ttmp[self.nT:]:
                 self.tid[id(t)] = self.nT
                 self.nT += 1
-            self.nested = True
             self.emit("seg = []")
             self.emit(f"flatten({expr}, {sym!r}, T, {{id(t): i for i, t in enumerate(T)}}, I, seg)")
             self.emit(f"if seg != {self.const(seg)}: return None")
             S.extend(seg)
-
-
-def _all_int(v) -> bool:
-    for x in v:
-        if type(x) is not int:
-            return False
-    return True
 
 
 def specialize(region, plan, nodes, metas, buf, S: tuple):
@@ -183,7 +198,7 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
     ]
     src = "\n".join(head + w.lines) + "\n"
     glb = dict(w.consts)
-    glb.update(flatten=capture.flatten, all_int=_all_int)
+    glb["flatten"] = capture.flatten
     code = compile(src, f"<vjpgen gather {region.label}>", "exec")
     exec(code, glb)
     fn = glb["gather"]

@@ -173,6 +173,8 @@ def signed(value):
     if t is int:
         return value - _U64 if value >= _I63 else value
     if t is tuple or t is list:
+        if not value or (type(value[0]) is int and max(value) < _I63):
+            return value  # the common case (sizes, strides): nothing reads as negative
         for v in value:
             if type(v) is int and v >= _I63:
                 return t(signed(x) for x in value)
