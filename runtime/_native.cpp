@@ -7,11 +7,13 @@
 // with meta_type also each node's input metadata as tuples of meta_type (a namedtuple class
 // with the fields shape, dtype, device, is_nested_tensor, is_cpp_nested_tensor).
 // stealable(grad, var): whether AccumulateGrad may keep grad itself as var.grad.
+// steal_grads(nodes, grads, protected): AccumulateGrad's common case for a batch of leaves.
 // Built on first use by vjpgen/runtime/native.py with torch.utils.cpp_extension.
 
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -231,6 +233,66 @@ bool stealable(pybind11::handle grad, pybind11::handle var) {
   return torch::autograd::utils::obeys_layout_contract(g, v);
 }
 
+bool no_hooks(PyObject* hooks) {  // Python's `not var._backward_hooks`
+  if (hooks == nullptr || hooks == Py_None) {
+    return true;
+  }
+  int t = PyObject_IsTrue(hooks);
+  if (t < 0) {
+    throw pybind11::error_already_set();
+  }
+  return t == 0;
+}
+
+// AccumulateGrad's common case for a batch of leaves (vjpgen.runtime.engine.accumulate_leaf's
+// fast path): where nodes[i] is an AccumulateGrad whose variable has no .grad and no tensor or
+// post-accumulate-grad hooks, and grads[i] is a tensor that does not require grad, is not in
+// `protected` (ids of tensors something else of this call holds) and is stealable() with the
+// variable's metadata, var.grad becomes grads[i] itself and its id joins `protected`.
+// Returns per leaf whether it was done; the caller accumulates the others itself.
+pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybind11::handle protected_ids) {
+  pybind11::list out;
+  pybind11::sequence ns = pybind11::reinterpret_borrow<pybind11::sequence>(nodes);
+  pybind11::sequence gs = pybind11::reinterpret_borrow<pybind11::sequence>(grads);
+  if (!PySet_Check(protected_ids.ptr())) {
+    throw pybind11::type_error("vjpgen native.steal_grads: protected must be a set");
+  }
+  size_t n = ns.size();
+  if (gs.size() != n) {
+    throw pybind11::value_error("vjpgen native.steal_grads: as many grads as nodes expected");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    pybind11::object node = ns[i];
+    pybind11::object grad = gs[i];
+    bool done = false;
+    auto fn = node_of(node.ptr());
+    auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn.get());
+    if (acc != nullptr && THPVariable_Check(grad.ptr())) {
+      const at::Tensor& var = acc->variable;
+      const at::Tensor& g = THPVariable_Unpack(grad.ptr());
+      pybind11::object pyvar = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(var));
+      if (!pyvar) {
+        throw pybind11::error_already_set();
+      }
+      auto* tv = reinterpret_cast<THPVariable*>(pyvar.ptr());
+      pybind11::object gid = pybind11::reinterpret_steal<pybind11::object>(PyLong_FromVoidPtr(grad.ptr()));
+      if (var.defined() && g.defined() && !var.grad().defined() && !g.requires_grad() &&
+          no_hooks(tv->backward_hooks) && no_hooks(tv->post_accumulate_grad_hooks) &&
+          PySet_Contains(protected_ids.ptr(), gid.ptr()) == 0 && g.dtype() == var.dtype() &&
+          g.device() == var.device() && g.layout() == var.layout() &&
+          g.sym_sizes().equals(var.sym_sizes()) && stealable(grad, pyvar)) {
+        var.mutable_grad() = g;
+        if (PySet_Add(protected_ids.ptr(), gid.ptr()) < 0) {
+          throw pybind11::error_already_set();
+        }
+        done = true;
+      }
+    }
+    out.append(pybind11::bool_(done));
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -238,5 +300,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("release", &release, "Node::release_variables() on each node of a sequence");
   m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas])",
         pybind11::arg("roots"), pybind11::arg("meta_type") = pybind11::none());
+  m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen engine.accumulate_leaf)");
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

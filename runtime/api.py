@@ -173,12 +173,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     with torch.no_grad():
         buf = engine.execute(plan, nodes, metas, grads, ctx)
         # sinks
-        for ai, s in plan.acc_sinks:
-            g = buf[s]
-            nh = plan.hooked.get(ai)
-            if g is None and nh is None:
-                continue
-            engine.accumulate_leaf(nodes[ai], g, ctx, nh)
+        engine.accumulate_leaves(plan, nodes, buf, ctx)
         result = None
         if targets is not None:
             captured = [None if s is None else buf[s] for s in plan.target_slots]

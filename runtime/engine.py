@@ -1057,6 +1057,27 @@ def _clone_obey_contract(grad, var):
     return grad.clone(memory_format=torch.contiguous_format)
 
 
+def accumulate_leaves(plan: Plan, nodes, buf, ctx: CallContext) -> None:
+    """The AccumulateGrad sinks of a call, in the plan's order. Without hooks in the plan, the
+    common case (a fresh grad stolen into an empty ``.grad``) runs for all leaves in one native
+    call and :func:`accumulate_leaf` takes only the rest."""
+    sinks = plan.acc_sinks
+    nat = native.module()
+    if nat is not None and not plan.hooked and sinks:
+        grads = [buf[s] for _, s in sinks]
+        done = nat.steal_grads([nodes[ai] for ai, _ in sinks], grads, ctx.protected)
+        for (ai, _), g, d in zip(sinks, grads, done):
+            if not d and g is not None:
+                accumulate_leaf(nodes[ai], g, ctx)
+        return
+    for ai, s in sinks:
+        g = buf[s]
+        nh = plan.hooked.get(ai)
+        if g is None and nh is None:
+            continue
+        accumulate_leaf(nodes[ai], g, ctx, nh)
+
+
 def accumulate_leaf(acc_node, grad, ctx: CallContext, node_hooks=None) -> None:
     """AccumulateGrad::apply: tensor pre-hooks, accumulate into .grad, post-accumulate hooks."""
     var = acc_node.variable

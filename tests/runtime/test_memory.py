@@ -273,3 +273,36 @@ def test_native_stealable_matches_the_python_rule():
     g = torch.randn(4, 6)
     ctx.protected.add(id(g))
     assert not engine._stealable(g, var, ctx)  # held elsewhere in this call
+
+
+def test_native_steal_grads():
+    """The batch form of AccumulateGrad's common case steals only what accumulate_leaf would."""
+    _require_native()
+    nat = native.module()
+
+    def acc_node(t):
+        return (t * 1).grad_fn.next_functions[0][0]
+
+    a, b, c, d, e = (torch.randn(3, requires_grad=True) for _ in range(5))
+    c.grad = torch.zeros(3)
+    d.register_hook(lambda g: g * 2)
+    g1 = torch.randn(3)
+    g_req = torch.randn(3, requires_grad=True)
+    nodes = [acc_node(t) for t in (a, b, c, d, e)]
+    protected = set()
+    done = nat.steal_grads(nodes, [g1, g1, torch.ones(3), torch.ones(3), g_req], protected)
+    assert done == [True, False, False, False, False]
+    assert a.grad is g1 and id(g1) in protected  # stolen once; b would have aliased it
+    assert b.grad is None and d.grad is None and e.grad is None
+    torch.testing.assert_close(c.grad, torch.zeros(3))  # untouched: accumulate_leaf adds in place
+
+
+def test_one_grad_flowing_to_two_leaves_is_not_shared():
+    """x1 + x2: the same grad tensor reaches both leaves; eager steals it for one and clones it
+    for the other, so the two .grad never share memory."""
+    x1 = torch.randn(4, requires_grad=True)
+    x2 = torch.randn(4, requires_grad=True)
+    rt.backward((x1 + x2).sum(), backend=BK)
+    assert x1.grad.data_ptr() != x2.grad.data_ptr()
+    x1.grad.add_(1.0)
+    torch.testing.assert_close(x2.grad, torch.ones(4))
