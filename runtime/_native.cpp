@@ -2,10 +2,11 @@
 //
 // release(nodes): Node::release_variables() on each node of a sequence, as the autograd
 // engine does after running a node without retain_graph (the node drops its saved tensors).
-// walk(roots[, meta_type]): the breadth-first walk of vjpgen.runtime.engine.walk over next_edges,
-// without building next_functions tuples: (nodes, structure key as bytes, {node: index}), and
-// with meta_type also each node's input metadata as tuples of meta_type (a namedtuple class
-// with the fields shape, dtype, device, is_nested_tensor, is_cpp_nested_tensor).
+// walk(roots[, meta_type, wanted]): the breadth-first walk of vjpgen.runtime.engine.walk over
+// next_edges, without building next_functions tuples: (nodes, structure key as bytes,
+// {node: index}), and with meta_type also each node's input metadata as tuples of meta_type (a
+// namedtuple class with the fields shape, dtype, device, is_nested_tensor, is_cpp_nested_tensor).
+// With `wanted` (a sequence of nodes) the index holds only the roots and the wanted nodes found.
 // stealable(grad, var): whether AccumulateGrad may keep grad itself as var.grad.
 // steal_grads(nodes, grads, protected): AccumulateGrad's common case for a batch of leaves.
 // Built on first use by vjpgen/runtime/native.py with torch.utils.cpp_extension.
@@ -140,7 +141,7 @@ PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle 
 // each node object. Per node the key holds: the node's Python type (its address), the number of
 // inputs, the number of edges and per edge (index of the next node, input_nr), or (-1, 0) for an
 // invalid edge. Equal keys mean the same graph structure within this process.
-pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type) {
+pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind11::handle wanted) {
   PyObject* seq = PySequence_Fast(roots.ptr(), "vjpgen native.walk: expected a sequence of nodes");
   if (seq == nullptr) {
     throw pybind11::error_already_set();
@@ -190,7 +191,9 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type) {
         if (!mo) {
           throw pybind11::error_already_set();
         }
-        index[mo] = pybind11::int_(j);
+        if (wanted.is_none()) {
+          index[mo] = pybind11::int_(j);
+        }
         nodes.append(mo);
       } else {
         j = it->second;
@@ -200,6 +203,19 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type) {
     }
   }
   pybind11::bytes kb(reinterpret_cast<const char*>(key.data()), key.size() * sizeof(int64_t));
+  if (!wanted.is_none()) {  // the index of the roots (already in it) and of these nodes only
+    for (auto w : wanted) {
+      auto fw = node_of(w.ptr());
+      if (!fw) {
+        continue;
+      }
+      auto it = seen.find(fw.get());
+      if (it != seen.end()) {
+        index[pybind11::handle(PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(it->second)))] =
+            pybind11::int_(it->second);
+      }
+    }
+  }
   if (meta_type.is_none()) {
     return pybind11::make_tuple(nodes, kb, index);
   }
@@ -299,7 +315,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vjpgen native helpers: release_variables and the graph walk on live autograd nodes";
   m.def("release", &release, "Node::release_variables() on each node of a sequence");
   m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas])",
-        pybind11::arg("roots"), pybind11::arg("meta_type") = pybind11::none());
+        pybind11::arg("roots"), pybind11::arg("meta_type") = pybind11::none(),
+        pybind11::arg("wanted") = pybind11::none());
   m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen engine.accumulate_leaf)");
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

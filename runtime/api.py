@@ -135,7 +135,8 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
 
     check_t = hooks.any_tensor_hooks()
     check_n = hooks.any_node_hooks()
-    nodes, metas, hooked, key, index = engine.walk_fast(root_edges, check_t, check_n)
+    wanted = [n for n, _ in targets_edges] if targets_edges is not None else ()
+    nodes, metas, hooked, key, index = engine.walk_fast(root_edges, check_t, check_n, wanted)
     root_idx = tuple((index[n], nr) for n, nr in root_edges)
     targets = None
     if targets_edges is not None:

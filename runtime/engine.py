@@ -132,15 +132,17 @@ class EdgeMeta(NamedTuple):
     is_cpp_nested_tensor: bool
 
 
-def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
+def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool, wanted=None):
     """:func:`walk` through the native helper where it is built: the same nodes in the same order
     and the index, but the structure key is ``bytes`` (for the plan cache only; :func:`walk`
     gives the tuple form :func:`build_plan` reads), and the input metadata are :class:`EdgeMeta`
-    (torch's ``_InputMetadata`` objects for unusual inputs: nested, subclass, symbolic)."""
+    (torch's ``_InputMetadata`` objects for unusual inputs: nested, subclass, symbolic). Given a
+    sequence ``wanted``, the index may hold only the roots and those nodes (e.g. the targets of
+    ``grad()``); building it for every node costs a dict entry per node."""
     nat = native.module()
     if nat is None:
         return walk(root_edges, check_tensor_hooks, check_node_hooks)
-    nodes, key, index, metas = nat.walk([n for n, _ in root_edges], EdgeMeta)
+    nodes, key, index, metas = nat.walk([n for n, _ in root_edges], EdgeMeta, wanted)
     hooked = None
     if check_tensor_hooks or check_node_hooks:
         hooked = find_hooks(nodes, check_tensor_hooks, check_node_hooks)

@@ -306,3 +306,14 @@ def test_one_grad_flowing_to_two_leaves_is_not_shared():
     assert x1.grad.data_ptr() != x2.grad.data_ptr()
     x1.grad.add_(1.0)
     torch.testing.assert_close(x2.grad, torch.ones(4))
+
+
+def test_native_walk_index_of_wanted_nodes():
+    _require_native()
+    x = torch.randn(3, requires_grad=True)
+    h = x.sin()
+    y = (h * h.cos()).sum()
+    full = engine.walk([(y.grad_fn, 0)], False, False)[4]
+    part = engine.walk_fast([(y.grad_fn, 0)], False, False, [h.grad_fn, torch.randn(2, requires_grad=True).exp().grad_fn])
+    index = part[4]
+    assert index == {y.grad_fn: 0, h.grad_fn: full[h.grad_fn]}  # the root, the wanted node found, no other
