@@ -324,7 +324,7 @@ def vjpgen_breakdown(step, min_time: float = 0.5) -> dict:
     patched = [
         (rt_api, "_run", "total"), (rt_engine, "walk_fast", "walk"), (rt_engine, "execute", "execute"),
         (rt_fastpath, "lookup", "gather"), (rt_engine, "find", "guards"),
-        (rt_engine, "release_nodes", "release"), (rt_engine, "accumulate_leaf", "leaf sinks"),
+        (rt_engine, "release_nodes", "release"), (rt_engine, "accumulate_leaves", "leaf sinks"),
     ]
     saved = []
     for mod, attr, label in patched:
