@@ -171,7 +171,9 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
 
     ctx = engine.CallContext(backend, release=not retain_graph)
     ctx.graphs = _explain_sink[-1] if _explain_sink else None
-    with torch.no_grad():
+    grad_was = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python layers (~4 us a call)
+    try:
         buf = engine.execute(plan, nodes, metas, grads, ctx)
         # sinks
         engine.accumulate_leaves(plan, nodes, buf, ctx)
@@ -195,6 +197,8 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
                             "the graph. Set allow_unused=True if this is the desired behavior."
                         )
                 result = tuple(captured)
+    finally:
+        torch._C._set_grad_enabled(grad_was)
     if not retain_graph:
         for n in root_nodes:
             n.metadata[engine._FREED] = True
