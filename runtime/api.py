@@ -82,16 +82,6 @@ def _make_grads(outputs, grad_outputs) -> tuple:
     return torch.autograd._make_grads(outputs, grad_outputs, is_grads_batched=False)
 
 
-def _check_not_freed(root_nodes) -> None:
-    for n in root_nodes:
-        if n.metadata.get(engine._FREED):
-            raise RuntimeError(
-                "Trying to backward through the graph a second time (or directly access saved "
-                "tensors after they have already been freed). Specify retain_graph=True if you "
-                "need to backward through the graph a second time (vjpgen)."
-            )
-
-
 def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused):
     """Common path of backward() and grad(); returns captured grads (grad mode) or None.
 
@@ -119,8 +109,6 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
                           f"{t.layout} tensors are not captured")
     grads = _make_grads(outputs, grad_outputs)
     root_edges = [_gradient_edge(t, "tensors", i) for i, t in enumerate(outputs)]
-    root_nodes = [n for n, _ in root_edges]
-    _check_not_freed(root_nodes)
 
     targets_edges = None
     if inputs is not None:
@@ -199,9 +187,6 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
                 result = tuple(captured)
     finally:
         torch._C._set_grad_enabled(grad_was)
-    if not retain_graph:
-        for n in root_nodes:
-            n.metadata[engine._FREED] = True
     return result
 
 

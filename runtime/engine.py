@@ -32,8 +32,6 @@ from .stats import STATS, record_break
 
 log = logging.getLogger("vjpgen")
 
-_FREED = "_vjpgen_freed"
-
 GC_PAUSED = False  # set by the API while it pauses the cyclic GC for a backward call
 
 

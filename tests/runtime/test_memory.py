@@ -317,3 +317,14 @@ def test_native_walk_index_of_wanted_nodes():
     part = engine.walk_fast([(y.grad_fn, 0)], False, False, [h.grad_fn, torch.randn(2, requires_grad=True).exp().grad_fn])
     index = part[4]
     assert index == {y.grad_fn: 0, h.grad_fn: full[h.grad_fn]}  # the root, the wanted node found, no other
+
+
+def test_second_backward_without_saved_tensors_works_as_in_eager():
+    """Eager only refuses a second backward when it needs a freed saved tensor: a graph whose
+    nodes save no tensor can be backwarded again (and accumulates again)."""
+    for run in (lambda l: l.backward(), lambda l: rt.backward(l, backend=BK)):
+        x = torch.randn(3, requires_grad=True)
+        loss = (-x.view(3, 1) + 1.0).sum()  # view, neg, add of a scalar, sum: no saved tensor
+        run(loss)
+        run(loss)
+        torch.testing.assert_close(x.grad, torch.full((3,), -2.0))
