@@ -1,0 +1,48 @@
+"""Inductor's compiled module is called without AOTAutograd's runtime wrappers only where those
+would do nothing (no input mutation, no output aliasing an input); otherwise the wrapped function
+runs. Either way the grads equal eager's."""
+
+import pytest
+import torch
+
+import vjpgen.runtime as rt
+from vjpgen.runtime import capture
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    seen = []
+    orig = capture._direct
+
+    def spy(s, n):
+        r = orig(s, n)
+        seen.append(r is not None)
+        return r
+
+    monkeypatch.setattr(capture, "_direct", spy)
+    return seen
+
+
+@pytest.mark.timeout(300)
+def test_direct_call_only_without_aliasing(direct_calls):
+    rt.clear_cache()
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, 5, requires_grad=True)
+    for _ in range(2):  # compile, then a cache hit through the direct call
+        x.grad = w.grad = None
+        rt.backward((x @ w).tanh().sum(), backend="inductor")
+    ref = torch.autograd.grad((x @ w).tanh().sum(), [x, w])
+    torch.testing.assert_close(x.grad, ref[0])
+    torch.testing.assert_close(w.grad, ref[1])
+    assert direct_calls == [True]
+
+    # x + y: both grads are the incoming grad itself (outputs aliasing an input): AOT's wrappers
+    a = torch.randn(4, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    for _ in range(2):
+        a.grad = b.grad = None
+        rt.backward((a * 2.0 + b).sum(), backend="inductor")
+    torch.testing.assert_close(a.grad, torch.full((4,), 2.0))
+    torch.testing.assert_close(b.grad, torch.ones(4))
+    assert a.grad.data_ptr() != b.grad.data_ptr()
+    assert direct_calls == [True, False]
