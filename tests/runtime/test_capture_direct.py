@@ -46,3 +46,21 @@ def test_direct_call_only_without_aliasing(direct_calls):
     torch.testing.assert_close(b.grad, torch.ones(4))
     assert a.grad.data_ptr() != b.grad.data_ptr()
     assert direct_calls == [True, False]
+
+
+@pytest.mark.timeout(300)
+def test_one_output_for_two_leaves_is_not_shared(direct_calls):
+    """(a + b) * 3: both leaves get the same intermediate grad; stolen for one, cloned for the
+    other, whichever way the compiled module is called."""
+    rt.clear_cache()
+    a = torch.randn(5, requires_grad=True)
+    b = torch.randn(5, requires_grad=True)
+    for _ in range(2):
+        a.grad = b.grad = None
+        rt.backward(((a + b) * 3.0).sin().sum(), backend="inductor")
+    ref = torch.autograd.grad(((a + b) * 3.0).sin().sum(), [a, b])
+    torch.testing.assert_close(a.grad, ref[0])
+    torch.testing.assert_close(b.grad, ref[1])
+    assert a.grad.data_ptr() != b.grad.data_ptr()
+    a.grad.add_(1.0)
+    torch.testing.assert_close(b.grad, ref[1])
