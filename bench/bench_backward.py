@@ -160,6 +160,19 @@ def interleaved(fns: dict, threads: int, rounds: int, min_run_time: float, ctx: 
     return {k: (statistics.median(v), len(v)) for k, v in times.items()}
 
 
+def warm_up(fns: dict, ctx: dict, device, reps: int = 3) -> None:
+    """Call each fn ``reps`` times (inside its context manager from ``ctx``, if any)."""
+    for k, f in fns.items():
+        cm = ctx.get(k)
+        for _ in range(reps):
+            if cm is not None:
+                with cm():
+                    f()
+            else:
+                f()
+    _sync(device)
+
+
 def zero(params):
     for p in params:
         p.grad = None
@@ -484,15 +497,7 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
         fns["torch.compile"] = b_tc
     fns["matmul floor"] = f_mm
     fns["matmul+extern floor"] = f_ext
-    for k, f in fns.items():  # warm-up
-        cm = ctx.get(k)
-        for _ in range(3):
-            if cm is not None:
-                with cm():
-                    f()
-            else:
-                f()
-    _sync(device)
+    warm_up(fns, ctx, device)
     hits0 = rt.stats()["cache_hits"]
     t = interleaved(fns, threads, rounds, min_run_time, ctx)
     s = rt.stats()
@@ -542,15 +547,7 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
     if "torch.compile" in fns:
         steps["torch.compile"] = s_tc
     steps["eager forward (no grad)"] = s_fwd
-    for k, f in steps.items():  # warm-up
-        cm = ctx.get(k)
-        for _ in range(3):
-            if cm is not None:
-                with cm():
-                    f()
-            else:
-                f()
-    _sync(device)
+    warm_up(steps, ctx, device)
     t = interleaved(steps, threads, rounds, min_run_time, ctx)
     res["step_ms"] = {k: v[0] * 1e3 for k, v in t.items()}
     s = rt.stats()
