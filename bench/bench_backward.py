@@ -64,6 +64,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import vjpgen.runtime as rt  # noqa: E402
 from vjpgen.runtime import api as rt_api, demo, engine as rt_engine, fastpath as rt_fastpath  # noqa: E402
 from vjpgen.runtime import hooks as rt_hooks  # noqa: E402
+from vjpgen.runtime.memory import peak_backward_bytes  # noqa: E402
 
 METHODS = ["eager", "vjpgen", "compiled autograd", "torch.compile"]
 
@@ -176,64 +177,6 @@ def warm_up(fns: dict, ctx: dict, device, reps: int = 3) -> None:
 def zero(params):
     for p in params:
         p.grad = None
-
-
-# ------------------------------------------------------------------------------------------
-# peak memory of one backward
-
-
-_MARK_BYTES = 12347 * 4  # a marker allocation of a size nothing else uses
-
-
-def peak_backward_bytes(forward, backward, device, ctx=None, before=None):
-    """Bytes allocated above the level at the start of ``backward(forward())``'s backward.
-    ``before()`` runs first, outside the measurement (e.g. setting grads to None: freeing the
-    previous step's grads inside the window would offset new allocations by an amount that
-    depends on what ran before)."""
-    import contextlib
-
-    if before is not None:
-        before()
-    cm = ctx() if ctx is not None else contextlib.nullcontext()
-    if device.startswith("cuda"):
-        with cm:
-            loss = forward()
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            backward(loss)
-            torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with cm:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            loss = forward()
-            mark = torch.empty(_MARK_BYTES // 4, dtype=torch.float32)
-            backward(loss)
-            del mark
-    evs = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    level = 0
-    base = None
-    peak = 0
-    for _, nb in evs:
-        if base is None:
-            level += nb
-            if nb == _MARK_BYTES:
-                base = level
-                peak = level
-            continue
-        level += nb
-        if nb == -_MARK_BYTES:
-            break
-        peak = max(peak, level)
-    if base is None:
-        return float("nan")
-    return peak - base
 
 
 # ------------------------------------------------------------------------------------------
