@@ -69,10 +69,12 @@ class Compiled:
     """One compiled graph of a region."""
 
     __slots__ = (
-        "fn", "present", "guard", "guard_src", "gm", "dyn_ints", "n_tensors", "dynamic", "hits", "aliases",
+        "fn", "present", "guard", "guard_src", "gm", "dyn_ints", "n_tensors", "dynamic", "hits", "aliases", "keep",
     )
 
-    def __init__(self, fn, present, gm, n_tensors, dyn_ints=(), guard=None, guard_src=None, aliases=None):
+    def __init__(
+        self, fn, present, gm, n_tensors, dyn_ints=(), guard=None, guard_src=None, aliases=None, keep=None
+    ):
         self.fn = fn
         self.present = present  # per region output: produced (True) or undefined (False)
         # per produced output: shares storage with an input (a saved tensor or incoming grad), so a
@@ -85,10 +87,19 @@ class Compiled:
         self.guard_src = guard_src
         self.dynamic = guard is not None
         self.hits = 0
+        # positions in T of the tensors the graph reads (None: all); the others are not passed
+        self.keep = keep
 
     def args(self, T: list, I: list) -> list:
-        """The argument list of :attr:`fn`: ``T`` itself, extended by the dynamic ints (so the
-        boxed callee, which empties it, holds the only references to the tensors)."""
+        """The argument list of :attr:`fn`: the tensors of ``T`` the graph reads, then the dynamic
+        ints. ``T`` itself is emptied, so the boxed callee, which empties the list it gets, holds
+        the only references to the tensors and frees each after its last use."""
+        if self.keep is not None:
+            a = [T[j] for j in self.keep]
+            T.clear()
+            if self.dyn_ints:
+                a.extend([I[j] for j in self.dyn_ints])
+            return a
         if self.dyn_ints:
             T.extend([I[j] for j in self.dyn_ints])
         return T

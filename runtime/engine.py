@@ -765,6 +765,9 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
             if k < len(labels):
                 n.meta["vjpgen_node"] = labels[k]
             k += 1
+    keep = capture.prune_unused_inputs(gm, len(T))
+    if keep is not None:
+        fake_args = [fake_args[j] for j in keep] + fake_args[len(T):]
     guard = guard_src = None
     if dd or di:
         guard, guard_src = make_guard(shape_env, fakes, ivals)
@@ -772,7 +775,7 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
     compiled_fn = capture.compile_graph(gm, fake_args, backend)
     log.debug("vjpgen: compiled %s with %s in %.2fs", region.label, backend, time.perf_counter() - t0)
     return Compiled(
-        compiled_fn, list(present), gm, len(T), dyn_ints, guard, guard_src, capture.output_aliases(gm)
+        compiled_fn, list(present), gm, len(T), dyn_ints, guard, guard_src, capture.output_aliases(gm), keep
     )
 
 
