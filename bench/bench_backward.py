@@ -54,6 +54,10 @@ RESULTS = ROOT / "bench" / "results"
 
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # cold Inductor caches for first-step times
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="vjpgen-bench-inductor-")
+# Inductor compiles in this process, not in a pool of worker processes: the first torch.compile
+# starts the pool, whose workers import torch in the background for tens of seconds, and on this
+# 2-core machine every time measured meanwhile (eager's too) was up to 2x slower
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
