@@ -368,25 +368,14 @@ def _direct(seen: dict, n_args: int):
         return None
     unread = unread_inputs(getattr(code, "source_code", None) or "", n_args)
 
-    if unread:
-
-        def run(args):
-            for j in unread:  # let go of them now: see unread_inputs
-                args[j] = None
-            prior = set_eval_frame(None)
-            try:
-                return call(args)
-            finally:
-                set_eval_frame(prior)
-
-    else:
-
-        def run(args):
-            prior = set_eval_frame(None)  # as torch._dynamo.disable: dynamo never traces the kernels' caller
-            try:
-                return call(args)
-            finally:
-                set_eval_frame(prior)
+    def run(args):
+        for j in unread:  # let go of them now: see unread_inputs
+            args[j] = None
+        prior = set_eval_frame(None)  # as torch._dynamo.disable: dynamo never traces the kernels' caller
+        try:
+            return call(args)
+        finally:
+            set_eval_frame(prior)
 
     run._boxed_call = True
     return run
