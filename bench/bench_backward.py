@@ -632,7 +632,7 @@ def profile_top(fn, reps, top=8):
 out_profile: list = []
 
 
-def bench_overhead(sizes, device, threads, min_run_time, log):
+def bench_overhead(sizes, device, threads, rounds, min_run_time, log):
     out = []
     for n in sizes:
         x, loss = chain(n - 2, device)  # + SumBackward0 + AccumulateGrad
@@ -656,7 +656,7 @@ def bench_overhead(sizes, device, threads, min_run_time, log):
             hit()
             eager()
         hits0 = rt.stats()["cache_hits"]
-        t = interleaved({"hit": hit, "eager": eager}, threads, 3, min_run_time)
+        t = interleaved({"hit": hit, "eager": eager}, threads, rounds, min_run_time)
         s = rt.stats()
         row = {
             "nodes": nodes,
@@ -848,8 +848,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch (and Inductor/OpenMP) threads; default 1: on a shared machine OpenMP "
                     "barriers of 2+ threads spin against other processes and times jump 10-100x")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--min-run-time", type=float, default=0.4, help="seconds per method per round")
+    ap.add_argument("--rounds", type=int, default=8,
+                    help="interleaved rounds: noise on this shared machine comes in stretches of seconds, so "
+                    "many short rounds spread it over all methods")
+    ap.add_argument("--min-run-time", type=float, default=0.15, help="seconds per method per round")
     ap.add_argument("--overhead-sizes", default="100,1000,10000")
     ap.add_argument("--skip-overhead", action="store_true")
     ap.add_argument("--skip-models", action="store_true")
@@ -876,7 +878,7 @@ def main(argv=None) -> int:
         out["cpu"]["models"] = res
     if not a.skip_overhead:
         sizes = [int(s) for s in a.overhead_sizes.split(",")]
-        out["cpu"]["overhead"] = bench_overhead(sizes, a.device, a.threads, a.min_run_time, log)
+        out["cpu"]["overhead"] = bench_overhead(sizes, a.device, a.threads, a.rounds, a.min_run_time, log)
     if torch.cuda.is_available() and not a.no_cuda:
         log("CUDA: " + torch.cuda.get_device_name())
         res = []
