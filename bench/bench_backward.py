@@ -31,6 +31,11 @@ Method (stated again in the results file):
 * Matmul floor: the mm/bmm/addmm/baddbmm calls that eager's backward makes (recorded with a
   TorchDispatchMode), replayed alone on fresh tensors of the same sizes, strides and dtypes.
   "+ extern" adds the library kernels no compiler fuses (convolution_backward, SDPA backward).
+  What vjpgen's and eager's backward spend beyond it comes from torch.profiler, the two taking
+  turns (``floor_gap``).
+* Inductor compiles in this process (``TORCHINDUCTOR_COMPILE_THREADS=1``): a pool of compile
+  workers would start in the background after the first compile and slow every measurement
+  meanwhile; first-step times therefore add up each C++ kernel's build.
 * Overhead: a chain of cheap ops on 4-element tensors (~100, 1,000, 10,000 nodes), cache-hit
   ``vjpgen.runtime.backward`` with a backend whose compiled function does no math (it returns the
   outputs of its first call), so the time is the walk, get_state, guard check and sinks.
