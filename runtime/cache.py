@@ -95,11 +95,9 @@ class Compiled:
         ints. ``T`` itself is emptied, so the boxed callee, which empties the list it gets, holds
         the only references to the tensors and frees each after its last use."""
         if self.keep is not None:
-            a = [T[j] for j in self.keep]
+            kept = [T[j] for j in self.keep]
             T.clear()
-            if self.dyn_ints:
-                a.extend([I[j] for j in self.dyn_ints])
-            return a
+            T = kept
         if self.dyn_ints:
             T.extend([I[j] for j in self.dyn_ints])
         return T
