@@ -417,6 +417,10 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+        from . import extern_ops
+
+        extern_ops.route(gm)
+
         seen: dict = {}
 
         def inner_compile(g, example_inputs, *args, **kwargs):
