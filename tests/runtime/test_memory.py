@@ -209,6 +209,27 @@ def _meta_tuple(m):
     return (tuple(m.shape), m.dtype, m.device, m.is_nested_tensor, m.is_cpp_nested_tensor)
 
 
+def test_native_walk_of_a_large_shared_graph_matches_the_python_walk():
+    """The native walk's node table grows from a small graph's size hint to thousands of nodes,
+    each node reached from two consumers (a lookup that finds it), and shrinks back."""
+    _require_native()
+
+    def graph(n):
+        x = torch.randn(2, requires_grad=True)
+        h = x
+        for i in range(n):
+            h = h.sin() * h.cos() if i % 2 else h.exp() + h.tanh()  # two edges into each h
+        return h.sum()
+
+    for n in (3, 1500, 4):
+        y = graph(n)
+        fast = engine.walk_fast([(y.grad_fn, 0)], False, False)
+        slow = engine.walk([(y.grad_fn, 0)], False, False)
+        assert fast[0] == slow[0] and fast[4] == slow[4]
+        assert len(fast[0]) == 3 * n + 2  # per step two unary nodes and the binary; the sum; the leaf
+        assert engine.walk_fast([(graph(n).grad_fn, 0)], False, False)[3] == fast[3]
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_native_walk_metadata_matches_torch(name):
     """The native walk's input metadata equal torch's _InputMetadata attribute by attribute,
