@@ -393,6 +393,54 @@ def _direct(seen: dict, n_args: int):
 _INDUCTOR_PATCHES = {"size_asserts": False, "reorder_for_locality": False, "reorder_for_peak_memory": False}
 
 
+_REDUCTIONS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default)
+
+
+def hoist_reductions(gm: torch.fx.GraphModule) -> int:
+    """Move each sum whose output is at most a quarter of its largest input's size up to just
+    after the last node it reads (after the placeholders if it reads only inputs). Returns how many
+    moved; the graph computes the same values.
+
+    Why: Inductor's C++ backend builds one kernel per run of consecutive fused nodes between two
+    extern calls. In the eager engine's order a linear layer's bias grad (a sum of the grad) comes
+    after its weight grad's matmul, so it starts a C++ kernel of its own; right after the node
+    that produced the grad it joins that node's kernel. The demo MLP builds 3 kernels instead of 4
+    (about a second of its first compile here). Memory: the sum's output is small and lives
+    longer, its input lives no longer than before (the bench's four models peak within 0.5% of
+    the unhoisted graph). Inductor's own ``reorder_for_locality`` would merge these too, but it
+    also moves weight-grad matmuls and keeps activations' grads alive (see ``_INDUCTOR_PATCHES``).
+    """
+    graph = gm.graph
+    pos = {node: float(i) for i, node in enumerate(graph.nodes)}
+    last_placeholder = None
+    for node in graph.find_nodes(op="placeholder"):
+        last_placeholder = node
+    moved = set()
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _REDUCTIONS:
+            continue
+        out = node.meta.get("val")
+        sizes = [a.meta["val"].numel() for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if not isinstance(out, torch.Tensor) or not sizes or not all(type(n) is int for n in (*sizes, out.numel())):
+            continue  # symbolic sizes: leave it where it is
+        if 4 * out.numel() > max(sizes):
+            continue
+        anchor = max(node.all_input_nodes, key=pos.__getitem__)
+        if anchor.op == "placeholder":
+            anchor = last_placeholder
+        while anchor.next in moved:  # after the sums already moved there, in their order
+            anchor = anchor.next
+        if anchor.next is node:
+            continue
+        anchor.append(node)
+        pos[node] = pos[anchor] + 1e-6
+        moved.add(node)
+    if moved:
+        graph.lint()
+        gm.recompile()
+    return len(moved)
+
+
 def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
     """Compile a traced graph into a *boxed* callable: ``fn(args: list) -> list``.
 
@@ -420,6 +468,7 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
         from . import extern_ops
 
         extern_ops.route(gm)
+        hoist_reductions(gm)
 
         seen: dict = {}
 
