@@ -210,8 +210,8 @@ def _meta_tuple(m):
 
 
 def test_native_walk_of_a_large_shared_graph_matches_the_python_walk():
-    """The native walk's node table grows from a small graph's size hint to thousands of nodes,
-    each node reached from two consumers (a lookup that finds it), and shrinks back."""
+    """The native walk's node table grows from its 16 slots to thousands of nodes, each node
+    reached from two consumers (a lookup that finds it); small graphs before and after walk alike."""
     _require_native()
 
     def graph(n):
