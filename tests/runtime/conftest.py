@@ -19,3 +19,39 @@ def _fresh():
     rt.clear_cache()
     rt.reset_stats()
     yield
+
+
+@pytest.fixture
+def demo_peak_bytes():
+    """``measure(make)``: for a demo model maker (``vjpgen.runtime.demo.make_*``), the peak backward
+    bytes of eager autograd and of vjpgen under Inductor, as the bench measures them (fresh graph,
+    no retain_graph, the same dropout mask each time), after one backward that compiles. Asserts
+    the measured backward's grads equal eager's."""
+    import torch
+
+    from vjpgen.runtime.memory import peak_backward_bytes
+
+    def measure(make):
+        model, batch, loss_fn = make()
+        model.train()
+        args = batch(0)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def none():
+            for p in params:
+                p.grad = None
+
+        def fwd():
+            torch.manual_seed(1)
+            return loss_fn(model, *args)
+
+        rt.backward(fwd(), backend="inductor")  # compile outside the measurement
+        eager = peak_backward_bytes(fwd, lambda loss: loss.backward(), before=none)
+        ref = [p.grad.clone() for p in params]
+        ours = peak_backward_bytes(fwd, lambda loss: rt.backward(loss, backend="inductor"), before=none)
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.grad, r)
+        assert eager > 0
+        return eager, ours
+
+    return measure

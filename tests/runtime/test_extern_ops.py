@@ -7,9 +7,7 @@ at 1.77x eager's backward memory, with the extern kernel at or below eager's.
 import pytest
 import torch
 
-import vjpgen.runtime as rt
-from vjpgen.runtime import demo, engine, extern_ops
-from vjpgen.runtime.memory import peak_backward_bytes
+from vjpgen.runtime import demo, extern_ops
 
 MPB = torch.ops.aten.max_pool2d_with_indices_backward.default
 
@@ -58,7 +56,7 @@ def one_thread():
 
 
 @pytest.mark.timeout(300)
-def test_peak_backward_memory_of_the_demo_cnn_is_at_most_eagers(monkeypatch, one_thread):
+def test_peak_backward_memory_of_the_demo_cnn_is_at_most_eagers(monkeypatch, one_thread, demo_peak_bytes):
     """The demo CNN (conv -> batch norm -> ReLU -> max-pool, twice) under Inductor on one thread,
     as the bench runs it: the max-pool backward runs as eager's kernel, the ReLU and batch-norm
     backward fuse after it and write in place into its output, so the peak stays at eager's; grads
@@ -67,27 +65,8 @@ def test_peak_backward_memory_of_the_demo_cnn_is_at_most_eagers(monkeypatch, one
     routed = []
     orig = extern_ops.route
     monkeypatch.setattr(extern_ops, "route", lambda gm: routed.append(orig(gm)) or routed[-1])
-    model, batch, loss_fn = demo.make_cnn()
-    model.train()
-    args = batch(0)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def none():
-        for p in params:
-            p.grad = None
-
-    def fwd():
-        torch.manual_seed(1)  # the same dropout mask each time
-        return loss_fn(model, *args)
-
-    rt.backward(fwd(), backend="inductor")  # compile outside the measurement
-    assert routed == [2], routed  # both max-pools
-    eager = peak_backward_bytes(fwd, lambda loss: loss.backward(), before=none)
-    ref = [p.grad.clone() for p in params]
-    ours = peak_backward_bytes(fwd, lambda loss: rt.backward(loss, backend="inductor"), before=none)
-    for p, r in zip(params, ref):
-        torch.testing.assert_close(p.grad, r)
-    assert eager > 0
+    eager, ours = demo_peak_bytes(demo.make_cnn)
+    assert routed == [2], routed  # one compile, both max-pools
     assert ours <= 1.1 * eager, f"vjpgen peak {ours:.0f} B vs eager {eager:.0f} B"
 
 

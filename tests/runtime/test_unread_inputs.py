@@ -10,7 +10,6 @@ import torch.nn as nn
 
 import vjpgen.runtime as rt
 from vjpgen.runtime import capture, demo, engine
-from vjpgen.runtime.memory import peak_backward_bytes
 
 CALL = """
 class Runner:
@@ -102,26 +101,8 @@ def test_inputs_only_inductor_drops_are_passed_as_none(monkeypatch, compiled_reg
 
 
 @pytest.mark.timeout(300)
-def test_peak_backward_memory_of_a_transformer_block_is_eagers():
+def test_peak_backward_memory_of_a_transformer_block_is_eagers(demo_peak_bytes):
     """The demo transformer block: the traced graph keeps the eager engine's order (each weight
     grad right after its input grad), so the activations' grads die as early as in eager."""
-    model, batch, loss_fn = demo.make_transformer()
-    args = batch(0)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def none():
-        for p in params:
-            p.grad = None
-
-    def fwd():
-        torch.manual_seed(1)  # the same dropout mask each time
-        return loss_fn(model, *args)
-
-    rt.backward(fwd(), backend="inductor")  # compile outside the measurement
-    eager = peak_backward_bytes(fwd, lambda loss: loss.backward(), before=none)
-    ref = [p.grad.clone() for p in params]
-    ours = peak_backward_bytes(fwd, lambda loss: rt.backward(loss, backend="inductor"), before=none)
-    for p, r in zip(params, ref):
-        torch.testing.assert_close(p.grad, r)
-    assert eager > 0
+    eager, ours = demo_peak_bytes(demo.make_transformer)
     assert ours <= 1.1 * eager, f"vjpgen peak {ours:.0f} B vs eager {eager:.0f} B"
