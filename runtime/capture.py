@@ -214,9 +214,8 @@ def prune_unused_inputs(gm: torch.fx.GraphModule, n_tensors: int):
     An unread input would stay referenced by the compiled code's argument unpacking until the call
     returns, and with it the storage it may share with inputs that are freed after their last use.
     Only placeholders whose recorded sizes, strides and offset are plain ints are removed: a
-    symbolic size may bind a symbol the graph needs. Inputs that a backend drops later (Inductor's
-    lowering of max-pool backward reads only the shape of ``self``) are handled by
-    :func:`unread_inputs`."""
+    symbolic size may bind a symbol the graph needs. Inputs that a backend drops later (Inductor
+    never reads training batch norm's running stats) are handled by :func:`unread_inputs`."""
     keep, drop = [], []
     k = 0
     for n in gm.graph.nodes:
@@ -319,12 +318,13 @@ def unread_inputs(source: str, n_args: int) -> tuple:
     mentions again, read from the generated module's source.
 
     Inductor frees an input after the last kernel that reads it, but an input that no kernel reads
-    (max-pool backward's ``self``, whose shape alone the lowering needs; batch norm's running stats
-    in training) stays bound until ``call`` returns, and with it the storage it shares with inputs
-    that are freed early (max-pool's ``self`` is the ReLU output that ReLU's backward saved too):
-    the eager engine frees that storage after the ReLU backward. Passing None in those positions
-    frees it where eager does. Any doubt (an unexpected source layout, a name that appears in a
-    comment) keeps the input: the answer errs on the side of passing the tensor."""
+    (batch norm's running stats in training; off CPU, max-pool backward's ``self``, whose shape
+    alone Inductor's decomposition needs: on CPU it goes to eager's kernel, see
+    :mod:`vjpgen.runtime.extern_ops`) stays bound until ``call`` returns, and with it the storage
+    it shares with inputs that are freed early (max-pool's ``self`` is the ReLU output that ReLU's
+    backward saved too): the eager engine frees that storage after the ReLU backward. Passing None
+    in those positions frees it where eager does. Any doubt (an unexpected source layout, a name
+    that appears in a comment) keeps the input: the answer errs on the side of passing the tensor."""
     m = _UNPACK.search(source)
     if m is None:
         return ()
