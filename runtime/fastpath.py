@@ -37,6 +37,7 @@ class _Writer:
     def __init__(self) -> None:
         self.lines: list = []
         self.consts: dict = {}  # name -> object the generated code reads from its globals
+        self.const_names: dict = {}  # id(obj) -> its name (one global per distinct object)
         self.S: list = []
         self.tid: dict = {}  # id(tensor) -> position in T (as the general path dedupes)
         self.nT = 0
@@ -44,8 +45,11 @@ class _Writer:
         self.keep: list = []  # the values read while building: their ids must not be reused
 
     def const(self, obj) -> str:
-        name = f"c{len(self.consts)}"
-        self.consts[name] = obj
+        name = self.const_names.get(id(obj))
+        if name is None:
+            name = f"c{len(self.consts)}"
+            self.consts[name] = obj
+            self.const_names[id(obj)] = name  # consts holds obj: its id stays its own
         return name
 
     def local(self) -> str:

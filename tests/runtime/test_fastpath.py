@@ -148,3 +148,30 @@ def test_changed_string_constant_is_not_accepted(path, monkeypatch, compare_gath
     s = rt.stats()
     assert s["compiles"] == 2 and s["cache_hits"] == 3, s
     assert compare_gathers["accepted"] >= 3
+
+
+def _chain(n):
+    x = torch.randn(4, requires_grad=True)
+    c = torch.randn(4)
+    y = x
+    for i in range(n):
+        y = y.sin() if i % 3 == 0 else (y * c if i % 3 == 1 else y + 1.0)
+    return x, y.sum()
+
+
+def test_gather_constants_do_not_grow_with_nodes():
+    """Equal constants (dtypes, devices, types, a node class's reader) share one global of the
+    written gather: a 10,000-node graph with one global per check spent ~0.5 µs per node more in
+    its gather than a 1,000-node one (dict entries out of cache)."""
+    n_globals = []
+    for n in (30, 300):
+        rt.clear_cache()
+        x, loss = _chain(n)
+        for _ in range(2):
+            ref = torch.autograd.grad(loss, x, retain_graph=True)[0]
+            torch.testing.assert_close(rt.grad(loss, x, retain_graph=True, backend=BK)[0], ref)
+        regions = [s for p in rt.api._PLANS.values() for s in p.steps if isinstance(s, engine.Region)]
+        fns = [fn for r in regions for fn, _, _ in r.fast]
+        assert len(fns) == 1
+        n_globals.append(len(fns[0].__globals__))
+    assert n_globals[0] == n_globals[1], n_globals
