@@ -9,9 +9,6 @@
 // With `wanted` (a sequence of nodes) the index holds only the roots and the wanted nodes found.
 // stealable(grad, var): whether AccumulateGrad may keep grad itself as var.grad.
 // steal_grads(nodes, grads, protected): AccumulateGrad's common case for a batch of leaves.
-// The vjpgen:: operators of vjpgen/runtime/extern_ops.py (eager's ATen kernels under a name
-// Inductor does not decompose), as C++ kernels: a call costs what the aten op's does, where the
-// Python kernel extern_ops registers without this helper adds ~12 us.
 // Built on first use by vjpgen/runtime/native.py with torch.utils.cpp_extension.
 
 #include <torch/csrc/Device.h>
@@ -22,7 +19,6 @@
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/utils/grad_layout_contract.h>
-#include <torch/library.h>
 
 #include <ATen/ATen.h>
 
@@ -375,26 +371,7 @@ pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybin
   return out;
 }
 
-at::Tensor max_pool2d_with_indices_backward(const at::Tensor& grad_output, const at::Tensor& input,
-                                            c10::IntArrayRef kernel_size, c10::IntArrayRef stride,
-                                            c10::IntArrayRef padding, c10::IntArrayRef dilation, bool ceil_mode,
-                                            const at::Tensor& indices) {
-  return at::max_pool2d_with_indices_backward(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode,
-                                              indices);
-}
-
 }  // namespace
-
-// the schema must equal extern_ops.py's (it checks)
-TORCH_LIBRARY_FRAGMENT(vjpgen, m) {
-  m.def(
-      "max_pool2d_with_indices_backward(Tensor grad_output, Tensor input, int[2] kernel_size, int[2] stride, "
-      "int[2] padding, int[2] dilation, bool ceil_mode, Tensor indices) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(vjpgen, CompositeExplicitAutograd, m) {
-  m.impl("max_pool2d_with_indices_backward", TORCH_FN(max_pool2d_with_indices_backward));
-}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vjpgen native helpers: release_variables and the graph walk on live autograd nodes";

@@ -1,12 +1,15 @@
 """Aten ops that vjpgen's Inductor graphs run as extern kernels (eager's own ATen kernel) rather
 than through Inductor's decomposition or lowering.
 
-Each entry maps an aten overload to a ``vjpgen::`` operator that calls the same ATen kernel (a C++
-kernel in the native helper where it is built, else a Python one). Inductor has no lowering for a
-``vjpgen::`` operator, so it emits a call to it (a fallback) and fuses around it, never through
-it. ``route(gm)`` retargets a traced graph's nodes before Inductor compiles it; the result is the
-aten kernel's, as in eager. The operator's name is part of the graph, so Inductor's FX graph cache
-never serves code compiled without the entry for a graph compiled with it, or the reverse.
+Each entry maps an aten overload to a ``vjpgen::`` operator of the same schema. ``route(gm)``
+retargets a traced graph's nodes to it before Inductor compiles the graph; AOTAutograd has no
+decomposition for a ``vjpgen::`` operator, so it reaches Inductor as it is, and the lowering
+registered here turns it back into a fallback call of the aten overload. Inductor fuses around that
+call, never through it, and calls the ATen kernel as eager does: from its Python wrapper through
+the dispatcher, from its C++ wrapper through the aten op's AOTInductor C shim (no dispatcher
+headers to compile). The operator's own kernel (the aten call, in Python) runs only outside
+Inductor. The operator's name is part of the graph, so Inductor's FX graph cache never serves
+code compiled without the entry for a graph compiled with it, or the reverse.
 
 An entry is here because a measurement on the bench's models found Inductor's version costly
 (each entry's docstring gives the numbers), and applies on the device types it was measured on.
@@ -16,8 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from . import native
-
 _LIB = torch.library.Library("vjpgen", "FRAGMENT")
 
 # aten overload -> (vjpgen overload, device types it applies on)
@@ -26,28 +27,24 @@ _EXTERN: dict = {}
 
 def extern(aten_op: torch._ops.OpOverload, schema: str, devices: tuple = ("cpu",)):
     """Register ``fn`` (a call of ``aten_op``) as the ``vjpgen::`` operator with ``schema`` that
-    replaces ``aten_op`` in graphs compiled with Inductor on ``devices``.
+    replaces ``aten_op`` in graphs compiled with Inductor on ``devices``, and its Inductor lowering
+    (a fallback call of ``aten_op``).
 
     Raises:
         ValueError: ``aten_op`` already has an entry (one registry, no silent override).
     """
+    from torch._inductor.lowering import fallback_handler, register_lowering
 
     def deco(fn):
         if aten_op in _EXTERN:
             raise ValueError(f"vjpgen extern_ops: {aten_op} is registered twice")
         name = schema.split("(", 1)[0]
-        if native.module() is not None:  # its C++ kernel defines the op: a call costs the aten op's
-            op = getattr(torch.ops.vjpgen, name).default
-            if str(op._schema) != f"vjpgen::{schema}":
-                raise RuntimeError(
-                    f"vjpgen extern_ops: _native.cpp defines {op._schema}, extern_ops.py expects "
-                    f"vjpgen::{schema}; make them equal"
-                )
-        else:  # a Python kernel: the same result, ~12 us more per call
-            _LIB.define(schema)
-            _LIB.impl(name, fn, "CompositeExplicitAutograd")
-            op = getattr(torch.ops.vjpgen, name).default
+        _LIB.define(schema)
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        op = getattr(torch.ops.vjpgen, name).default
         torch.library.register_fake(op, fn, lib=_LIB)  # on fake tensors the aten op gives the meta
+        fallback = fallback_handler(aten_op, add_to_fallback_set=False)
+        register_lowering(op, type_promotion_kind=None)(lambda *a, **k: fallback(*a, **k))
         _EXTERN[aten_op] = (op, frozenset(devices))
         return fn
 

@@ -14,6 +14,17 @@ def fake_gen(monkeypatch):
     rt.clear_cache()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cold_inductor_cache(tmp_path_factory):
+    """One empty Inductor cache for the session: a cache entry compiled by an older vjpgen (whose
+    extern-op lowering or passes Inductor's cache key cannot see) never stands in for what this
+    code compiles. Subprocesses inherit it through the environment."""
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache(dir=str(tmp_path_factory.mktemp("inductor"))):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh():
     rt.clear_cache()

@@ -1,12 +1,13 @@
 """Saved tensors the compiled graph never reads are not held until it returns: unused placeholders
 leave the traced graph, and inputs that only Inductor's lowering drops (batch norm's running stats
-in training) are passed as None to its generated module. Peak backward memory stays at
+in training) are not passed to its generated module. Peak backward memory stays at
 eager's on a transformer block, whose weight-grad matmuls Inductor would otherwise move to the end.
 """
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import vjpgen.runtime as rt
 from vjpgen.runtime import capture, demo, engine
@@ -34,6 +35,48 @@ def test_unread_inputs_from_the_generated_source():
     assert capture.unread_inputs(one.replace("return (arg0_1, )", "return ()"), 1) == (0,)
     assert capture.unread_inputs(CALL, 5) == ()  # not the layout expected: pass every input
     assert capture.unread_inputs("", 3) == ()
+
+
+CPP = """
+cpp_wrapper_src = (
+r\"\"\"
+void inductor_entry_impl(AtenTensorHandle* input_handles, AtenTensorHandle* output_handles) {
+    auto inputs = steal_from_raw_handles_to_raii_handles(input_handles, 3);
+    auto arg0_1 = std::move(inputs[0]);
+    auto arg1_1 = std::move(inputs[1]);
+    auto arg2_1 = std::move(inputs[2]);
+    cpp_fused_0((const float*)(arg2_1.data_ptr()), (float*)(buf0.data_ptr()));
+    arg2_1.reset();
+    output_handles[0] = buf0.release();
+}
+extern "C" void cpp_fused_0(const float* in_ptr0, float* out_ptr0) { }
+\"\"\"
+)
+def get_args():
+    arg0_1 = rand_strided((4, ), (1, ), device='cpu', dtype=torch.float32)
+    arg1_1 = rand_strided((4, ), (1, ), device='cpu', dtype=torch.float32)
+"""
+
+
+def test_unread_inputs_from_the_cpp_wrappers_source():
+    """The C++ wrapper's layout: only the entry function's body counts (``get_args`` below it
+    names every input)."""
+    assert capture.unread_inputs(CPP, 3) == (0, 1)
+    assert capture.unread_inputs(CPP.replace("    arg2_1.reset();\n", "    arg2_1.reset(); // arg0_1\n"), 3) == (1,)
+    assert capture.unread_inputs(CPP, 4) == ()
+    assert capture.unread_inputs(CPP.replace("inputs[1]", "inputs[7]"), 3) == ()  # not in order: pass every input
+    assert capture.unread_inputs(CPP.replace("\n}\n", "\n"), 3) == ()  # no end of the body found
+
+
+def test_cpp_wrapper_only_for_graphs_wholly_on_the_cpu(monkeypatch):
+    def f(x):
+        return x.sin() * 2
+
+    cpu = make_fx(f)(torch.randn(3))
+    meta = make_fx(f)(torch.randn(3, device="meta"))
+    assert capture.cpp_wrapper(cpu) and not capture.cpp_wrapper(meta)
+    monkeypatch.setenv("VJPGEN_CPP_WRAPPER", "0")
+    assert not capture.cpp_wrapper(cpu)
 
 
 @pytest.fixture
@@ -67,17 +110,21 @@ def test_unused_saved_tensor_leaves_the_graph(backend, compiled_regions):
 
 
 @pytest.mark.timeout(300)
-def test_inputs_only_inductor_drops_are_passed_as_none(monkeypatch, compiled_regions):
+@pytest.mark.parametrize("wrapper", ["cpp", "python"])
+def test_inputs_only_inductor_drops_are_not_held(wrapper, monkeypatch, compiled_regions):
     """conv (no bias: batch norm cancels its grad to rounding) -> batch norm (training) -> relu ->
-    max-pool: training batch norm's backward never reads the running stats; those positions are
-    passed as None, and grads equal eager's. (Max-pool's ``self``, which Inductor's own lowering
-    reads only for its shape, goes to the extern kernel of :mod:`vjpgen.runtime.extern_ops`.)"""
-    unread = []
+    max-pool, under Inductor's C++ wrapper (vjpgen's default on CPU) and its Python wrapper:
+    training batch norm's backward never reads the running stats; those positions are passed as a
+    stand-in, and grads equal eager's. Max-pool's backward is eager's ATen kernel, called through
+    its C shim from C++ (see :mod:`vjpgen.runtime.extern_ops`)."""
+    monkeypatch.setenv("VJPGEN_CPP_WRAPPER", "1" if wrapper == "cpp" else "0")
+    unread, sources = [], []
     orig = capture.unread_inputs
 
     def spy(source, n):
         r = orig(source, n)
         unread.append(r)
+        sources.append(source)
         return r
 
     monkeypatch.setattr(capture, "unread_inputs", spy)
@@ -94,6 +141,13 @@ def test_inputs_only_inductor_drops_are_passed_as_none(monkeypatch, compiled_reg
             torch.testing.assert_close(p.grad, r)
     (c,) = compiled_regions
     (positions,) = unread
+    (source,) = sources
+    call = {
+        "cpp": "aoti_torch_cpu_max_pool2d_with_indices_backward(",
+        "python": "torch.ops.aten.max_pool2d_with_indices_backward.default(",
+    }[wrapper]
+    assert call in source and ("inductor_entry_impl" in source) == (wrapper == "cpp")
+    assert "= torch.ops.vjpgen." not in source  # the vjpgen:: operator was lowered to the aten kernel
     labels = [n.meta.get("vjpgen_node", "") for n in c.gm.graph.nodes if n.op == "placeholder"]
     dropped = sorted(labels[j].split(".")[-1] for j in positions)
     assert dropped == ["running_mean", "running_var"], dropped
