@@ -655,48 +655,61 @@ out_profile: list = []
 
 
 def bench_overhead(sizes, device, threads, rounds, min_run_time, log):
-    out = []
+    """Cache-hit calls of a no-math backend on chains of ``sizes`` nodes, and eager autograd on the
+    same chains. All sizes take turns in the same rounds, so a slow stretch of this shared machine
+    falls on every size alike: the growth of the per-node cost with size compares like with like."""
+    rt.clear_cache()
+    rt.reset_stats()
+    fns, rows = {}, []
+    keep = []  # the chains, alive until every size is timed
     for n in sizes:
         x, loss = chain(n - 2, device)  # + SumBackward0 + AccumulateGrad
+        keep.append((x, loss))
         nodes = _count_nodes(loss.grad_fn)
         backend = NoMath()
-        rt.clear_cache()
-        rt.reset_stats()
+        misses0 = rt.stats()["cache_misses"]
         t0 = time.perf_counter()
         rt.backward(loss, retain_graph=True, backend=backend)
         first = time.perf_counter() - t0
 
-        def hit():
+        def hit(x=x, loss=loss, backend=backend):
             x.grad = None
             rt.backward(loss, retain_graph=True, backend=backend)
 
-        def eager():
+        def eager(x=x, loss=loss):
             x.grad = None
             loss.backward(retain_graph=True)
 
         for _ in range(3):
             hit()
             eager()
-        hits0 = rt.stats()["cache_hits"]
-        t = interleaved({"hit": hit, "eager": eager}, threads, rounds, min_run_time)
-        s = rt.stats()
-        row = {
-            "nodes": nodes,
-            "first_call_s": first,
-            "hit_s": t["hit"][0],
-            "per_node_us": t["hit"][0] / nodes * 1e6,
-            "eager_s": t["eager"][0],
-            "eager_per_node_us": t["eager"][0] / nodes * 1e6,
-            "cache_hits": s["cache_hits"] - hits0,
-            "misses_after_first": s["cache_misses"] - 1,
-        }
-        out.append(row)
+        fns[f"hit {nodes}"] = hit
+        fns[f"eager {nodes}"] = eager
+        rows.append({"nodes": nodes, "first_call_s": first, "misses": rt.stats()["cache_misses"] - misses0})
         if 500 <= nodes <= 5000 and not out_profile:
             out_profile.append(profile_top(hit, 20))
-        log(f"  [overhead] {nodes} nodes: cache hit {row['hit_s'] * 1e3:.2f} ms = "
+    s0 = rt.stats()
+    t = interleaved(fns, threads, rounds, min_run_time)
+    s = rt.stats()
+    out = []
+    for row in rows:
+        nodes = row["nodes"]
+        hit_s, eager_s = t[f"hit {nodes}"][0], t[f"eager {nodes}"][0]
+        row.update(
+            hit_s=hit_s,
+            per_node_us=hit_s / nodes * 1e6,
+            eager_s=eager_s,
+            eager_per_node_us=eager_s / nodes * 1e6,
+            misses_after_first=row.pop("misses") - 1,  # in the warm-up calls of this size
+            # while all sizes were timed together
+            cache_hits_timed=s["cache_hits"] - s0["cache_hits"],
+            cache_misses_timed=s["cache_misses"] - s0["cache_misses"],
+        )
+        out.append(row)
+        log(f"  [overhead] {nodes} nodes: cache hit {hit_s * 1e3:.2f} ms = "
             f"{row['per_node_us']:.2f} us/node (eager autograd incl. kernels {row['eager_per_node_us']:.2f} "
-            f"us/node; first call {first:.1f}s)")
-        rt.clear_cache()
+            f"us/node; first call {row['first_call_s']:.1f}s)")
+    rt.clear_cache()
     return out
 
 
