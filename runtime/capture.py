@@ -417,23 +417,50 @@ def _direct(seen: dict, n_args: int):
 _INDUCTOR_PATCHES = {"size_asserts": False, "reorder_for_locality": False, "reorder_for_peak_memory": False}
 
 
+# the C++ wrapper where a graph's ops average at most this many output elements (see cpp_wrapper)
+CPP_WRAPPER_MAX_AVG_NUMEL = 1 << 15
+
+
+def _numel_hint(t: torch.Tensor):
+    n = t.numel()
+    if type(n) is int:
+        return n
+    try:  # a symbolic size: its example value
+        return int(n.node.hint)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def cpp_wrapper(gm: torch.fx.GraphModule) -> bool:
     """Whether Inductor compiles ``gm`` with its C++ wrapper (``cpp_wrapper``): where every tensor
-    in the graph is on the CPU, unless ``VJPGEN_CPP_WRAPPER=0``.
+    in the graph is on the CPU and its ops are small (their outputs average at most
+    ``CPP_WRAPPER_MAX_AVG_NUMEL`` elements), unless ``VJPGEN_CPP_WRAPPER=0``; ``=1`` drops the size
+    condition.
 
-    Why: the Python wrapper's call costs Python bytecode per kernel launch and per buffer; the C++
-    wrapper runs the same kernels from one compiled function. On the bench's CNN, MLP and
-    transformer block (one thread, paired timing) vjpgen's backward took 0.85-0.88x its time with
-    the Python wrapper, and the first compile was no slower. Off the CPU (not measured here) the
-    Python wrapper stays."""
-    if os.environ.get("VJPGEN_CPP_WRAPPER", "1") == "0":
+    Why: the Python wrapper's call costs Python bytecode per kernel launch and per buffer, a
+    microsecond or two each; the C++ wrapper runs the same kernels from one compiled function. On
+    the bench's CNN, MLP and transformer block (ops of 1,200-3,900 elements on average; one thread,
+    paired timing) vjpgen's backward took 0.85-0.88x its time with the Python wrapper, at the same
+    first-compile time. On the 6-layer encoder (118,000) the two were within this machine's noise,
+    and its first compile took 16.7 s against 12.1 s: the C++ wrapper builds the kernels and the
+    wrapper in one translation unit at -O3. Off the CPU (not measured here) the Python wrapper
+    stays."""
+    env = os.environ.get("VJPGEN_CPP_WRAPPER")
+    if env == "0":
         return False
     devices = set()
+    ops = numel = 0
     for node in gm.graph.nodes:
+        is_op = node.op == "call_function"
+        ops += is_op
         for v in torch.utils._pytree.tree_leaves(node.meta.get("val")):
             if isinstance(v, torch.Tensor):
                 devices.add(v.device.type)
-    return devices == {"cpu"}
+                if is_op:
+                    numel += _numel_hint(v) or 0
+    if devices != {"cpu"}:
+        return False
+    return env == "1" or numel <= CPP_WRAPPER_MAX_AVG_NUMEL * max(ops, 1)
 
 
 _REDUCTIONS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default)

@@ -68,15 +68,26 @@ def test_unread_inputs_from_the_cpp_wrappers_source():
     assert capture.unread_inputs(CPP.replace("\n}\n", "\n"), 3) == ()  # no end of the body found
 
 
-def test_cpp_wrapper_only_for_graphs_wholly_on_the_cpu(monkeypatch):
-    def f(x):
-        return x.sin() * 2
+def test_cpp_wrapper_for_small_ops_wholly_on_the_cpu(monkeypatch):
+    """The C++ wrapper where the graph is on the CPU and its ops' outputs average at most
+    CPP_WRAPPER_MAX_AVG_NUMEL elements; VJPGEN_CPP_WRAPPER=0 turns it off, =1 drops the size
+    condition (not the device one)."""
+    monkeypatch.delenv("VJPGEN_CPP_WRAPPER", raising=False)
 
-    cpu = make_fx(f)(torch.randn(3))
+    def f(x):
+        return x.sin() * 2  # two ops of x.numel() elements each
+
+    limit = capture.CPP_WRAPPER_MAX_AVG_NUMEL
+    small = make_fx(f)(torch.randn(limit))
+    big = make_fx(f)(torch.randn(limit + 1))
     meta = make_fx(f)(torch.randn(3, device="meta"))
-    assert capture.cpp_wrapper(cpu) and not capture.cpp_wrapper(meta)
+    assert capture.cpp_wrapper(small) and not capture.cpp_wrapper(big) and not capture.cpp_wrapper(meta)
+    dyn = make_fx(f, tracing_mode="symbolic")(torch.randn(limit + 1))
+    assert not capture.cpp_wrapper(dyn)  # a symbolic size counts by its example value
+    monkeypatch.setenv("VJPGEN_CPP_WRAPPER", "1")
+    assert capture.cpp_wrapper(big) and not capture.cpp_wrapper(meta)
     monkeypatch.setenv("VJPGEN_CPP_WRAPPER", "0")
-    assert not capture.cpp_wrapper(cpu)
+    assert not capture.cpp_wrapper(small)
 
 
 @pytest.fixture
