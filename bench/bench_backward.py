@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -497,16 +498,11 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
         # profile the same graph compiled with the Python wrapper, under its own plans
         plans = dict(rt_api._PLANS)
         rt.clear_cache()
-        prior = os.environ.get("VJPGEN_CPP_WRAPPER")
-        os.environ["VJPGEN_CPP_WRAPPER"] = "0"
         try:
-            b_vjpgen()  # compiles
-            res["floor_gap_ms"] = floor_gap({"vjpgen": b_vjpgen, "eager": b_eager})
+            with mock.patch.dict(os.environ, {"VJPGEN_CPP_WRAPPER": "0"}):
+                b_vjpgen()  # compiles
+                res["floor_gap_ms"] = floor_gap({"vjpgen": b_vjpgen, "eager": b_eager})
         finally:
-            if prior is None:
-                del os.environ["VJPGEN_CPP_WRAPPER"]
-            else:
-                os.environ["VJPGEN_CPP_WRAPPER"] = prior
             rt.clear_cache()
             rt_api._PLANS.update(plans)  # the C++ wrapper's compiled graphs again
     log("  [" + name + "] " + ", ".join(f"{k} {v[0] * 1e3:.2f} ms" for k, v in t.items()))
@@ -660,11 +656,9 @@ def bench_overhead(sizes, device, threads, rounds, min_run_time, log):
     falls on every size alike: the growth of the per-node cost with size compares like with like."""
     rt.clear_cache()
     rt.reset_stats()
-    fns, rows = {}, []
-    keep = []  # the chains, alive until every size is timed
+    fns, rows = {}, []  # fns' closures keep every size's chain alive until all are timed
     for n in sizes:
         x, loss = chain(n - 2, device)  # + SumBackward0 + AccumulateGrad
-        keep.append((x, loss))
         nodes = _count_nodes(loss.grad_fn)
         backend = NoMath()
         misses0 = rt.stats()["cache_misses"]
