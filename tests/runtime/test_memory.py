@@ -250,6 +250,38 @@ def test_native_walk_metadata_matches_torch(name):
             assert [_meta_tuple(m) for m in md] == [_meta_tuple(m) for m in n._input_metadata], type(n).__name__
 
 
+def test_native_walk_shares_equal_metadata_and_keeps_distinct_metadata_apart():
+    """Nodes whose inputs have equal metadata share one interned tuple; any difference in shape,
+    dtype or device gives another. Past the intern table's size (4,096 entries, then emptied) a
+    walk over more distinct shapes still reads every node's own metadata."""
+    _require_native()
+    x = torch.randn(3, requires_grad=True)
+    h = x
+    for _ in range(4):
+        h = h.sin()  # four SinBackward0 nodes, inputs all (3,) float32 cpu
+    r = (h.sum() + x.double().sum() + x[:2].sum()).float()
+    nodes, metas, _, _, _ = engine.walk_fast([(r.grad_fn, 0)], False, False)
+    sins = [m for n, m in zip(nodes, metas) if type(n).__name__ == "SinBackward0"]
+    assert len(sins) == 4 and all(m is sins[0] for m in sins)
+    by_meta = {}
+    for n, md in zip(nodes, metas):
+        want = tuple(_meta_tuple(m) for m in n._input_metadata)
+        assert tuple(_meta_tuple(m) for m in md) == want, type(n).__name__
+        by_meta.setdefault(want, set()).add(id(md))
+    assert len(by_meta) >= 4  # (3,) float32, float64, (2,) slices, 0-d sums...
+    assert all(len(ids) == 1 for ids in by_meta.values())  # one tuple per distinct metadata
+
+    v = torch.randn(5000, requires_grad=True)
+    h = v
+    for _ in range(4500):  # 4,500 distinct input shapes: the table fills and is emptied mid-walk
+        h = h[1:]
+    y = h.sum()
+    for _ in range(2):
+        nodes, metas, _, _, _ = engine.walk_fast([(y.grad_fn, 0)], False, False)
+        for n, md in zip(nodes, metas):
+            assert [_meta_tuple(m) for m in md] == [_meta_tuple(m) for m in n._input_metadata]
+
+
 def test_native_walk_metadata_of_nested_inputs_falls_back_to_torch():
     _require_native()
     import warnings
