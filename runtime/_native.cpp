@@ -304,9 +304,19 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
     }
   }
   key.reserve(order.size() * 8);
+  // each node's metadata is read when the node is reached, while its memory is in the cache (a
+  // second pass over a 10,000-node graph missed the cache on every node)
+  pybind11::list metas;
+  const bool with_metas = !meta_type.is_none();
   for (size_t i = 0; i < order.size(); ++i) {
     torch::autograd::Node* fn = order[i];
     PyObject* obj = PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(i));
+    if (with_metas) {
+      pybind11::object m = pybind11::reinterpret_steal<pybind11::object>(node_metas(fn, obj, meta_type));
+      if (PyList_Append(metas.ptr(), m.ptr()) != 0) {
+        throw pybind11::error_already_set();
+      }
+    }
     const auto& edges = fn->next_edges();
     key.push_back(reinterpret_cast<int64_t>(Py_TYPE(obj)));
     key.push_back(static_cast<int64_t>(fn->num_inputs()));
@@ -349,13 +359,8 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
       }
     }
   }
-  if (meta_type.is_none()) {
+  if (!with_metas) {
     return pybind11::make_tuple(nodes, kb, index);
-  }
-  pybind11::list metas(static_cast<Py_ssize_t>(order.size()));
-  for (size_t i = 0; i < order.size(); ++i) {
-    PyObject* m = node_metas(order[i], PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(i)), meta_type);
-    PyList_SET_ITEM(metas.ptr(), static_cast<Py_ssize_t>(i), m);  // steals m
   }
   return pybind11::make_tuple(nodes, kb, index, metas);
 }
