@@ -685,6 +685,9 @@ def bench_overhead(sizes, device, threads, rounds, min_run_time, log):
     s0 = rt.stats()
     t = interleaved(fns, threads, rounds, min_run_time)
     s = rt.stats()
+    for row in rows:  # the stage timers of vjpgen_breakdown, per node (after the timing: they add ~0.2 µs a stage)
+        br = vjpgen_breakdown(fns[f"hit {row['nodes']}"], min_time=0.3)
+        row["stage_ns_per_node"] = {k: v * 1e3 / row["nodes"] for k, v in br.items()}
     out = []
     for row in rows:
         nodes = row["nodes"]
@@ -824,6 +827,27 @@ def overhead_table(rows):
     for r in rows:
         lines.append(f"| {r['nodes']} | {r['hit_s'] * 1e3:.2f} ms | {r['per_node_us']:.2f} µs | "
                      f"{r['eager_per_node_us']:.2f} µs |")
+    return "\n".join(lines)
+
+
+STAGES = ("walk", "gather", "guards", "release", "compiled graph", "leaf sinks", "rest of the call")
+
+
+def stage_growth(rows):
+    """The stages whose per-node cost grew most from the smallest size to the largest, as
+    (stage, ns/node at the smallest, ns/node at the largest), largest increase first."""
+    a, b = rows[0].get("stage_ns_per_node"), rows[-1].get("stage_ns_per_node")
+    if not a or not b:
+        return []
+    return sorted(((k, a[k], b[k]) for k in STAGES), key=lambda r: r[1] - r[2])
+
+
+def stage_table(rows):
+    lines = ["| nodes | " + " | ".join(STAGES) + " | total |", "| ---: |" + " ---: |" * (len(STAGES) + 1)]
+    for r in rows:
+        st = r.get("stage_ns_per_node")
+        if st:
+            lines.append(f"| {r['nodes']} | " + " | ".join(f"{st[k]:.0f}" for k in STAGES) + f" | {st['total']:.0f} |")
     return "\n".join(lines)
 
 
@@ -1004,8 +1028,10 @@ def targets(out):
     if len(ov) >= 2:
         g = ov[-1]["per_node_us"] / ov[0]["per_node_us"]
         verdict, margin = _verdict(g, 1.25)
+        grown = "; ".join(f"{k} {x:.0f}→{y:.0f}" for k, x, y in stage_growth(ov)[:3])
         rows.append(("overhead linear in nodes (per-node cost at the largest / smallest size ≤ 1.25)",
-                     f"{ov[0]['nodes']}→{ov[-1]['nodes']}", f"{g:.2f}", verdict, margin))
+                     f"{ov[0]['nodes']}→{ov[-1]['nodes']}",
+                     f"{g:.2f}" + (f" (stages that grew most, ns/node: {grown})" if grown else ""), verdict, margin))
     for r in models:
         m = r["peak_mem_bytes"]
         if m.get("eager"):
@@ -1107,6 +1133,8 @@ def render(out, a, argv):
             "## vjpgen cache-hit overhead (no math)\n\n" + overhead_table(ov)
             + f"\n\nLeast-squares fit: {slope:.2f} µs per node + {icpt / 1e3:.2f} ms fixed; per-node cost at "
             f"{ov[-1]['nodes']} nodes is {ov[-1]['per_node_us'] / ov[0]['per_node_us']:.2f}× that at {ov[0]['nodes']}."
+            + "\n\nWhere a cache-hit call's time goes, ns per node (the stage timers of the training-step "
+            "breakdown above, run after the timing; they add ~0.2 µs per stage and call):\n\n" + stage_table(ov)
         )
     if out["cuda"]:
         parts.append(f"## CUDA ({out['cuda']['device']})\n\n" + model_table(out["cuda"]["models"])
