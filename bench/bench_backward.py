@@ -162,9 +162,9 @@ def interleaved(fns: dict, threads: int, rounds: int, min_run_time: float, ctx: 
     """Time each fn in ``rounds`` interleaved rounds; returns {name: (median_s, n_blocks)}.
 
     Each fn's turn in a round lasts ``min_run_time`` or ``CALLS_PER_BLOCK`` calls, whichever is
-    longer: the first call after another method's turn runs with cold caches, and in turns of one
-    or two calls (the encoder's backward, a 10,000-node overhead call) that start weighed on the
-    methods that read more state per call."""
+    longer: the first call after another method's turn may find the caches cold, and in turns of
+    one or two calls (the encoder's backward, a 10,000-node overhead call) that start would weigh
+    most on the methods that read the most state per call."""
     ctx = ctx or {}
     times = {k: [] for k in fns}
     run_time = {}

@@ -85,7 +85,8 @@ PyObject* device_object(const c10::Device& d) {
 // immutable. A walk then allocates no metadata objects for a graph it has seen, instead of ~4
 // per node; on a 10,000-node graph those allocations, and freeing them after the call, made the
 // per-node cost grow with the graph. At most kMaxInterned tuples are kept (the table is emptied
-// when full); `sig` is the lookup key of the node being read, reused to avoid an allocation.
+// when full); `sig` is the lookup key of the node being read, reused to avoid an allocation
+// on a hit.
 struct InternedMetas {
   struct Hash {
     size_t operator()(const std::vector<int64_t>& v) const {
@@ -115,12 +116,12 @@ struct InternedMetas {
     Py_INCREF(it->second);
     return it->second;
   }
-  void add(PyObject* metas) {
+  void add(std::vector<int64_t> key, PyObject* metas) {
     if (table.size() >= kMaxInterned) {
       clear();
     }
     Py_INCREF(metas);
-    table.emplace(sig, metas);
+    table.emplace(std::move(key), metas);
   }
   void clear() {
     for (auto& e : table) {
@@ -175,6 +176,9 @@ PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle 
   if (PyObject* hit = interned_metas.find(meta_type.ptr())) {
     return hit;
   }
+  // a copy: building the tuple allocates, which may run a garbage collection and, through a
+  // finalizer, Python code that walks another graph and overwrites `sig`
+  std::vector<int64_t> key = sig;
   PyObject* out = PyTuple_New(static_cast<Py_ssize_t>(n));
   if (out == nullptr) {
     throw pybind11::error_already_set();
@@ -205,7 +209,7 @@ PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle 
     PyTuple_SET_ITEM(m, 4, Py_NewRef(Py_False));
     PyTuple_SET_ITEM(out, static_cast<Py_ssize_t>(k), m);
   }
-  interned_metas.add(out);
+  interned_metas.add(std::move(key), out);
   return out_owner.release().ptr();
 }
 
