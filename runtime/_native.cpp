@@ -137,6 +137,10 @@ InternedMetas interned_metas;
 // nested, a tensor subclass or of symbolic shape.
 PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle meta_type) {
   auto n = fn->num_inputs();
+  // one pass over the inputs: whether all are plain, and the intern key of their metadata
+  std::vector<int64_t>& sig = interned_metas.sig;
+  sig.clear();
+  sig.push_back(static_cast<int64_t>(n));
   bool plain = true;
   for (uint32_t k = 0; k < n && plain; ++k) {
     const auto& md = fn->input_metadata(k);
@@ -144,11 +148,17 @@ PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle 
       plain = false;
       break;
     }
-    for (const auto& s : md.shape_as_dim_vector()) {
+    const auto& d = md.device();
+    auto shape = md.shape_as_dim_vector();
+    sig.push_back(static_cast<int64_t>(c10::typeMetaToScalarType(md.dtype())));
+    sig.push_back(static_cast<int64_t>(d.type()) * 65536 + static_cast<int64_t>(d.index()));
+    sig.push_back(static_cast<int64_t>(shape.size()));
+    for (const auto& s : shape) {
       if (s.is_heap_allocated()) {
         plain = false;
         break;
       }
+      sig.push_back(s.as_int_unchecked());
     }
   }
   if (!plain) {
@@ -159,20 +169,6 @@ PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle 
     return r;
   }
   auto* tp = reinterpret_cast<PyTypeObject*>(meta_type.ptr());
-  std::vector<int64_t>& sig = interned_metas.sig;
-  sig.clear();
-  sig.push_back(static_cast<int64_t>(n));
-  for (uint32_t k = 0; k < n; ++k) {
-    const auto& md = fn->input_metadata(k);
-    const auto& d = md.device();
-    auto shape = md.shape_as_dim_vector();
-    sig.push_back(static_cast<int64_t>(c10::typeMetaToScalarType(md.dtype())));
-    sig.push_back(static_cast<int64_t>(d.type()) * 65536 + static_cast<int64_t>(d.index()));
-    sig.push_back(static_cast<int64_t>(shape.size()));
-    for (const auto& s : shape) {
-      sig.push_back(s.as_int_unchecked());
-    }
-  }
   if (PyObject* hit = interned_metas.find(meta_type.ptr())) {
     return hit;
   }
