@@ -44,6 +44,7 @@ Method (stated again in the results file):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -169,21 +170,13 @@ def interleaved(fns: dict, threads: int, rounds: int, min_run_time: float, ctx: 
     times = {k: [] for k in fns}
     run_time = {}
     for k, fn in fns.items():  # one timed call each (after the callers' warm-up) sizes the turns
-        cm = ctx.get(k)
-        t0 = time.perf_counter()
-        if cm is not None:
-            with cm():
-                fn()
-        else:
+        with ctx.get(k, contextlib.nullcontext)():
+            t0 = time.perf_counter()
             fn()
-        run_time[k] = max(min_run_time, CALLS_PER_BLOCK * (time.perf_counter() - t0))
+            run_time[k] = max(min_run_time, CALLS_PER_BLOCK * (time.perf_counter() - t0))
     for _ in range(rounds):
         for k, fn in fns.items():
-            cm = ctx.get(k)
-            if cm is not None:
-                with cm():
-                    m = timer(fn, threads).blocked_autorange(min_run_time=run_time[k])
-            else:
+            with ctx.get(k, contextlib.nullcontext)():
                 m = timer(fn, threads).blocked_autorange(min_run_time=run_time[k])
             times[k].extend(m.times)
     return {k: (statistics.median(v), len(v)) for k, v in times.items()}
@@ -192,12 +185,8 @@ def interleaved(fns: dict, threads: int, rounds: int, min_run_time: float, ctx: 
 def warm_up(fns: dict, ctx: dict, device, reps: int = 3) -> None:
     """Call each fn ``reps`` times (inside its context manager from ``ctx``, if any)."""
     for k, f in fns.items():
-        cm = ctx.get(k)
         for _ in range(reps):
-            if cm is not None:
-                with cm():
-                    f()
-            else:
+            with ctx.get(k, contextlib.nullcontext)():
                 f()
     _sync(device)
 
