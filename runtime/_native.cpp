@@ -10,10 +10,16 @@
 // With `wanted` (a sequence of nodes) the index holds only the roots and the wanted nodes found.
 // stealable(grad, var): whether AccumulateGrad may keep grad itself as var.grad.
 // steal_grads(nodes, grads, protected): AccumulateGrad's common case for a batch of leaves.
+// hook_flags(nodes): per node a bit set of the hooks the engine would run around it (C++ and
+// Python alike, whenever they were registered): see HookFlags.
+// call_node(node, grads, keep_graph): the engine's call_function for one node: tensor pre-hooks,
+// retains_grad hooks, pre-hooks, the node, validate_outputs, post-hooks.
 // Built on first use by vjpgen/runtime/native.py with torch.utils.cpp_extension.
 
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
@@ -25,6 +31,7 @@
 
 #include <cstdint>
 #include <map>
+#include <sstream>
 #include <unordered_map>
 #include <vector>
 
@@ -447,6 +454,145 @@ pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybin
   return out;
 }
 
+// Bits of hook_flags(): which hooks the engine runs around a node.
+enum HookFlags : int64_t {
+  kTensorPre = 1,  // tensor pre-hooks (register_hook on the tensor the node's input is the grad of;
+                   // for AccumulateGrad the leaf's hooks, C++ ones included)
+  kRetainsGrad = 2,  // retain_grad()
+  kPre = 4,  // node pre-hooks (register_prehook; C++ FunctionPreHooks)
+  kPost = 8,  // node post-hooks (register_hook; C++ FunctionPostHooks such as DDP's reducer hook)
+  kPostAccumulate = 16,  // AccumulateGrad: the leaf's post-accumulate-grad hook
+};
+
+int64_t flags_of(torch::autograd::Node* fn) {
+  int64_t f = 0;
+  if (!fn->tensor_pre_hooks().empty()) {
+    f |= kTensorPre;
+  }
+  if (!fn->retains_grad_hooks().empty()) {
+    f |= kRetainsGrad;
+  }
+  if (!fn->pre_hooks().empty()) {
+    f |= kPre;
+  }
+  if (!fn->post_hooks().empty()) {
+    f |= kPost;
+  }
+  if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn)) {
+    if (acc->variable.defined() && acc->tensor_post_acc_grad_hooks() != nullptr) {
+      f |= kPostAccumulate;
+    }
+  }
+  return f;
+}
+
+// {index: flags} for the nodes of a sequence that have any hook (see HookFlags).
+pybind11::dict hook_flags(pybind11::handle nodes) {
+  pybind11::dict out;
+  pybind11::sequence ns = pybind11::reinterpret_borrow<pybind11::sequence>(nodes);
+  size_t n = ns.size();
+  for (size_t i = 0; i < n; ++i) {
+    pybind11::object o = ns[i];
+    auto fn = node_of(o.ptr());
+    if (!fn) {
+      continue;
+    }
+    int64_t f = flags_of(fn.get());
+    if (f != 0) {
+      out[pybind11::int_(static_cast<int64_t>(i))] = pybind11::int_(f);
+    }
+  }
+  return out;
+}
+
+// engine.cpp's call_function, for one node outside the engine's ready queue (the caller is inside
+// a graph task of the engine, so hooks that queue final callbacks or read the graph task work).
+torch::autograd::variable_list engine_call(torch::autograd::Node& fn, torch::autograd::variable_list inputs, bool keep_graph) {
+  for (const auto& hook : fn.tensor_pre_hooks()) {
+    inputs = (*hook)(inputs);
+  }
+  for (const auto& pair : fn.retains_grad_hooks()) {
+    inputs = (*pair.second)(inputs);
+  }
+  for (const auto& hook : fn.pre_hooks()) {
+    inputs = (*hook)(inputs);
+  }
+  if (!keep_graph) {
+    fn.will_release_variables();
+  }
+  const bool has_post_hooks = !fn.post_hooks().empty();
+  torch::autograd::variable_list outputs;
+  if (has_post_hooks) {
+    auto inputs_copy = inputs;
+    outputs = fn(std::move(inputs_copy));
+  } else {
+    outputs = fn(std::move(inputs));
+  }
+  torch::autograd::validate_outputs(fn.next_edges(), outputs, [&](const std::string& msg) {
+    std::ostringstream ss;
+    ss << "Function " << fn.name() << " returned an " << msg;
+    return ss.str();
+  });
+  if (has_post_hooks) {
+    for (const auto& hook : fn.post_hooks()) {
+      outputs = (*hook)(outputs, inputs);
+    }
+  }
+  return outputs;
+}
+
+// Calls `node` with `grads` (tensors or None) as the engine would: see engine_call. Returns one
+// entry per next edge (None for an undefined grad). The GIL is released meanwhile, as the engine
+// runs nodes without it (a C++ hook may wait on a thread that needs it).
+pybind11::list call_node(pybind11::handle node, pybind11::handle grads, bool keep_graph) {
+  auto fn = node_of(node.ptr());
+  if (!fn) {
+    throw pybind11::type_error("vjpgen native.call_node: expected an autograd node");
+  }
+  torch::autograd::variable_list inputs;
+  for (auto g : grads) {
+    if (g.is_none()) {
+      inputs.emplace_back();
+    } else if (THPVariable_Check(g.ptr())) {
+      inputs.push_back(THPVariable_Unpack(g.ptr()));
+    } else {
+      throw pybind11::type_error("vjpgen native.call_node: grads must be tensors or None");
+    }
+  }
+  torch::autograd::variable_list outputs;
+  bool py_err = false;
+  std::string cpp_err;
+  {
+    pybind11::gil_scoped_release nogil;
+    try {
+      outputs = engine_call(*fn, std::move(inputs), keep_graph);
+    } catch (python_error& e) {
+      pybind11::gil_scoped_acquire gil;
+      e.restore();
+      py_err = true;
+    } catch (const c10::Error& e) {
+      cpp_err = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      cpp_err = e.what();
+    }
+  }
+  if (py_err) {
+    throw pybind11::error_already_set();
+  }
+  if (!cpp_err.empty()) {
+    throw std::runtime_error(cpp_err);
+  }
+  pybind11::list out;
+  for (auto& t : outputs) {
+    if (t.defined()) {
+      out.append(pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(t)));
+    } else {
+      out.append(pybind11::none());
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -456,5 +602,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("roots"), pybind11::arg("meta_type") = pybind11::none(),
         pybind11::arg("wanted") = pybind11::none());
   m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen engine.accumulate_leaf)");
+  m.def("hook_flags", &hook_flags, "{index: hook bits} for the nodes of a sequence that have hooks");
+  m.def("call_node", &call_node, "the engine's call_function: hooks, the node, validate_outputs",
+        pybind11::arg("node"), pybind11::arg("grads"), pybind11::arg("keep_graph"));
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from . import engine, hooks
+from . import engine, graph_task, hooks, native
 from .stats import STATS, record_eager_fallback
 
 log = logging.getLogger("vjpgen")
@@ -121,6 +121,12 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
                 raise RuntimeError("One of the differentiated Tensors does not require grad")
             targets_edges.append(_gradient_edge(t, "inputs", i))
 
+    native_hooks = native.module() is not None
+    if not native_hooks and graph_task.distributed_initialized():
+        # C++ hooks (DDP's reducer on AccumulateGrad) are invisible without the native helper:
+        # never compile blindly past them
+        return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused,
+                      "torch.distributed is initialized and the native helper (which sees C++ hooks) is not built")
     check_t = hooks.any_tensor_hooks()
     check_n = hooks.any_node_hooks()
     wanted = [n for n, _ in targets_edges] if targets_edges is not None else ()
@@ -157,6 +163,24 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     if plan.eager_reason is not None:
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason)
 
+    if plan.n_breaks or not native_hooks:
+        # live steps (hooks, custom Functions, nodes without a kernel) run inside a real graph
+        # task of torch's engine, so what they expect of it holds: queue_callback (DDP, FSDP2),
+        # the graph task's id and keep_graph (AOTAutograd's compiled backward); the compiled
+        # regions run there too, in the same order
+        box = []
+
+        def job():
+            box.append(_execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
+                                allow_unused))
+
+        graph_task.run(job, keep_graph=bool(retain_graph))
+        return box[0] if box else None
+    return _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused)
+
+
+def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused):
+    """Run a plan: the steps, then the sinks (leaf accumulation, captured grads)."""
     ctx = engine.CallContext(backend, release=not retain_graph)
     ctx.graphs = _explain_sink[-1] if _explain_sink else None
     grad_was = torch.is_grad_enabled()

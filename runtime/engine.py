@@ -141,14 +141,20 @@ def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool, want
     if nat is None:
         return walk(root_edges, check_tensor_hooks, check_node_hooks)
     nodes, key, index, metas = nat.walk([n for n, _ in root_edges], EdgeMeta, wanted)
-    hooked = None
-    if check_tensor_hooks or check_node_hooks:
-        hooked = find_hooks(nodes, check_tensor_hooks, check_node_hooks)
+    hooked = {i: NativeHooks(f) for i, f in nat.hook_flags(nodes).items()}  # every hook, C++ too
     return nodes, metas, hooked, key, index
 
 
 def find_hooks(nodes, check_tensor_hooks: bool, check_node_hooks: bool) -> dict:
-    """Node index -> :class:`vjpgen.runtime.hooks.NodeHooks` for the nodes that have hooks."""
+    """Node index -> hooks, for the nodes that have hooks.
+
+    With the native helper every hook the engine would run is seen, C++ ones (DDP's reducer on
+    AccumulateGrad) and those registered before vjpgen was imported included
+    (:class:`NativeHooks`); without it, the Python-registered hooks that
+    :mod:`vjpgen.runtime.hooks` tracked (:class:`vjpgen.runtime.hooks.NodeHooks`)."""
+    nat = native.module()
+    if nat is not None:
+        return {i: NativeHooks(f) for i, f in nat.hook_flags(nodes).items()}
     hooked = {}
     for i, n in enumerate(nodes):
         if type(n).__name__ == "AccumulateGrad":
@@ -161,6 +167,24 @@ def find_hooks(nodes, check_tensor_hooks: bool, check_node_hooks: bool) -> dict:
         if h:
             hooked[i] = h
     return hooked
+
+
+class NativeHooks:
+    """The hooks of one node as the native helper reads them from C++ (``hook_flags`` bits). Such a
+    node is called live through ``call_node``, which runs them in the engine's order."""
+
+    __slots__ = ("flags",)
+    _NAMES = ((1, "tensor hooks"), (2, "retain_grad"), (4, "node pre-hooks"), (8, "node post-hooks"),
+              (16, "post-accumulate-grad hook"))
+
+    def __init__(self, flags: int):
+        self.flags = flags
+
+    def __bool__(self) -> bool:
+        return bool(self.flags)
+
+    def describe(self) -> str:
+        return ", ".join(n for b, n in self._NAMES if self.flags & b)
 
 
 # ------------------------------------------------------------------------------------------
@@ -307,6 +331,7 @@ class Plan:
         self.hooked: dict = {}
         self.n_breaks = 0
         self.root_edges: list = []  # per root slot: (node index, input_nr)
+        self.live_acc_bytes: dict = {}  # AccumulateGrad run live (hooks) -> bytes of its grad
 
 
 def _module_for(info: NodeInfo):
@@ -390,6 +415,18 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
                 needed[i] = True
                 break
 
+    # AccumulateGrad nodes with hooks the native helper found (DDP's reducer hook, leaf hooks,
+    # post-accumulate-grad hooks) run live where the engine would run them: as soon as their grad
+    # is complete, so a hook sees the backward in eager's order (DDP starts a bucket's all-reduce
+    # while the rest of the backward computes)
+    live_acc = set()
+    if hooked and accumulate:
+        for i, h in hooked.items():
+            if infos[i].is_acc and isinstance(h, NativeHooks) and (targets is None or (i, 0) in target_set):
+                needed[i] = True
+                infos[i].live = ("node", h.describe())
+                live_acc.add(i)
+
     def edge_needed(e):
         return e is not None and (needed[e[0]] or is_sink(*e))
 
@@ -428,15 +465,19 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
     p.nslots = len(slot_of)
     if targets is None:
         for i in range(N):
-            if infos[i].is_acc and (i, 0) in slot_of:
+            if infos[i].is_acc and (i, 0) in slot_of and i not in live_acc:
                 p.acc_sinks.append((i, slot_of[(i, 0)]))
     else:
         for t in targets:
             p.target_slots.append(None if t is None else slot_of.get(t))
         if accumulate:
             for t in targets:
-                if t is not None and infos[t[0]].is_acc and t in slot_of:
+                if t is not None and infos[t[0]].is_acc and t in slot_of and t[0] not in live_acc:
                     p.acc_sinks.append((t[0], slot_of[t]))
+    p.live_acc_bytes = {}
+    for i in live_acc:
+        m = metas[i][0] if metas[i] else None
+        p.live_acc_bytes[i] = _nbytes(m)
 
     # execution order: dependency counting over needed nodes, ready queue by sequence number
     run = [i for i in range(N) if needed[i]]
@@ -461,10 +502,52 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
     return p
 
 
+# Bytes of leaf grads with hooks (DDP's buckets) after which the compiled backward is cut, so the
+# hooks of those leaves (a bucket's all-reduce) run while the rest computes: DDP's own defaults for
+# its first bucket and the others (``dist._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb=25``).
+FIRST_HOOKED_LEAF_BYTES = 1024 * 1024
+HOOKED_LEAF_BYTES = 25 * 1024 * 1024
+
+
+def _nbytes(m) -> int:
+    if m is None:
+        return 0
+    try:
+        n = 1
+        for d in m.shape:
+            n *= int(d)
+        return n * m.dtype.itemsize
+    except Exception:  # symbolic or unusual metadata: counts as nothing
+        return 0
+
+
+def _segments(p: Plan) -> dict:
+    """Node -> segment of the execution order: a new segment starts after the live leaf
+    (AccumulateGrad with hooks) at which the hooked leaves' grads since the last cut reach
+    FIRST_HOOKED_LEAF_BYTES (then HOOKED_LEAF_BYTES). Segments run one after another, so the
+    hooks of one segment's leaves run before the next segment's region starts."""
+    seg = {}
+    k = 0
+    acc_bytes = 0
+    cap = FIRST_HOOKED_LEAF_BYTES
+    live_acc = getattr(p, "live_acc_bytes", None) or {}
+    for i in p.order:
+        seg[i] = k
+        if i in live_acc:
+            acc_bytes += live_acc[i]
+            if acc_bytes >= cap:
+                k += 1
+                acc_bytes = 0
+                cap = HOOKED_LEAF_BYTES
+    return seg
+
+
 def _partition(p: Plan) -> None:
-    """Split the execution order into compiled regions around live nodes (stages)."""
+    """Split the execution order into compiled regions around live nodes (stages), within the
+    segments of :func:`_segments`."""
     infos = p.infos
     order = p.order
+    seg = _segments(p)
     stage = {}
     for i in order:
         stage.setdefault(i, 0)
@@ -473,12 +556,12 @@ def _partition(p: Plan) -> None:
         for (_, _, d, _) in infos[i].out:
             if d in stage and stage[d] < s:
                 stage[d] = s
-    nstages = max(stage.values(), default=-1) + 1
+    keys = sorted({(seg[i], stage[i]) for i in order})
     steps = []
     p.n_breaks = 0
-    for k in range(nstages):
-        traced = [i for i in order if stage[i] == k and infos[i].live is None]
-        live = [i for i in order if stage[i] == k and infos[i].live is not None]
+    for key in keys:
+        traced = [i for i in order if (seg[i], stage[i]) == key and infos[i].live is None]
+        live = [i for i in order if (seg[i], stage[i]) == key and infos[i].live is not None]
         if traced:
             steps.append(Region(sum(isinstance(s, Region) for s in steps), traced))
         for i in live:
@@ -935,6 +1018,21 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: CallContext) -> None:
         ctx.graphs.append(("live", info.name, None, info.live[1] if info.live else "module called eagerly"))
     grads = [None if s is None else buf[s] for s in info.in_slots]
     h = plan.hooked.get(i)
+    nat = native.module()
+    if nat is not None and (info.live is None or info.live[0] == "node" or type(h) is NativeHooks):
+        # the engine's call_function, hooks included, in C++ (validate_outputs included)
+        outs = nat.call_node(node, grads, not ctx.release)
+        if ctx.release:
+            release_nodes(nodes, (i,), plan.infos)
+        ins = {id(g) for g in grads if g is not None}
+        for (j, s, d, nr) in info.out:
+            g = outs[j]
+            if g is None:
+                continue
+            if id(g) in ins:
+                ctx.protected.add(id(g))
+            buf[s] = g if buf[s] is None else buf[s] + g
+        return
     if h is not None:
         if h.tensor_pre:
             for k, d in h.tensor_pre.items():
@@ -1066,7 +1164,7 @@ def accumulate_leaves(plan: Plan, nodes, buf, ctx: CallContext) -> None:
     call and :func:`accumulate_leaf` takes only the rest."""
     sinks = plan.acc_sinks
     nat = native.module()
-    if nat is not None and not plan.hooked and sinks:
+    if nat is not None and sinks and (not plan.hooked or plan.live_acc_bytes or _native_hooked(plan)):
         grads = [buf[s] for _, s in sinks]
         done = nat.steal_grads([nodes[ai] for ai, _ in sinks], grads, ctx.protected)
         for (ai, _), g, d in zip(sinks, grads, done):
@@ -1079,6 +1177,14 @@ def accumulate_leaves(plan: Plan, nodes, buf, ctx: CallContext) -> None:
         if g is None and nh is None:
             continue
         accumulate_leaf(nodes[ai], g, ctx, nh)
+
+
+def _native_hooked(plan: Plan) -> bool:
+    """Whether the plan's hooks were read by the native helper (then no sink has hooks: a hooked
+    leaf runs live)."""
+    for h in plan.hooked.values():
+        return type(h) is NativeHooks
+    return False
 
 
 def accumulate_leaf(acc_node, grad, ctx: CallContext, node_hooks=None) -> None:
