@@ -17,6 +17,15 @@ log = logging.getLogger("vjpgen")
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 _PLANS: dict = {}
+
+
+def _opaque(fn):
+    """``fn`` as a graph break for torch.compile: dynamo calls it as it is instead of tracing into
+    vjpgen's engine (which reads live autograd nodes, not fake tensors), as it does for eager
+    ``Tensor.backward``."""
+    import torch._dynamo
+
+    return torch._dynamo.disable(fn, reason="vjpgen's backward runs outside the compiled frame")
 _warned_create_graph = False
 
 # the functions torch had before compiled_autograd() patched anything
@@ -239,6 +248,7 @@ def _warn_create_graph() -> None:
         )
 
 
+@_opaque
 def backward(
     tensors,
     grad_tensors=None,
@@ -269,6 +279,7 @@ def backward(
     return None
 
 
+@_opaque
 def grad(
     outputs,
     inputs,
@@ -308,6 +319,7 @@ _explain_sink: list = []
 _backend_stack: list = []
 
 
+@_opaque
 def _patched_autograd_backward(
     tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None
 ):
@@ -323,6 +335,7 @@ def _patched_autograd_backward(
     )
 
 
+@_opaque
 def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
     if not _backend_stack or (
         torch.overrides.has_torch_function_unary(self)

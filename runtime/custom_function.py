@@ -4,7 +4,8 @@ A node of a custom Function (``MyFnBackward``) has no generated module; :func:`m
 it one with the generated-module interface (``SCHEMA``, ``get_state``, ``get_saved``,
 ``apply_functional``) so the engine traces its ``backward`` like any formula:
 
-* ``ctx.saved_tensors`` become graph inputs; ``ctx.needs_input_grad`` and the attributes the
+* ``ctx.saved_tensors`` become graph inputs, the sizes of the forward's outputs sizes that may
+  become dynamic (as a built-in node's saved sizes do); ``ctx.needs_input_grad`` and the attributes the
   forward set on ``ctx`` (numbers, strings, dtypes, devices, tuples of those) are constants of
   the cache key, so a changed attribute recompiles instead of reusing a stale graph;
 * undefined grads are materialized as zeros unless the forward called
@@ -48,7 +49,9 @@ class FunctionModule:
         "saved_tensors", "ctx_attributes", "materialize_grads", "output_metadata",
         "forward_needs_input_grad", "edge_valid",
     )
-    SCHEMA = ("Tensor[]", "Any", "bool", "Any", "bool[]", "bool[]")
+    # output_metadata holds the sizes of the forward's outputs: like a built-in node's SymInt[]
+    # sizes they become dynamic after one change instead of recompiling for every new size
+    SCHEMA = ("Tensor[]", "Any", "bool", "(SymInt[], ScalarType, Device)[]", "bool[]", "bool[]")
     USES_EDGE_META = False
     TRANSLATED = True
 
