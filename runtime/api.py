@@ -172,7 +172,9 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     if plan.eager_reason is not None:
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason)
 
-    if plan.n_breaks or not native_hooks:
+    if plan.n_breaks or not plan.ran or not native_hooks:
+        # (the first call of a plan too: a node found untraceable then runs live in this call)
+        plan.ran = True
         # live steps (hooks, custom Functions, nodes without a kernel) run inside a real graph
         # task of torch's engine, so what they expect of it holds: queue_callback (DDP, FSDP2),
         # the graph task's id and keep_graph (AOTAutograd's compiled backward); the compiled

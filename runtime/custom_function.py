@@ -20,6 +20,8 @@ engine calls the live node at a graph break instead. Never a wrong gradient.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 _CONST_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout)
@@ -97,7 +99,8 @@ class FunctionModule:
                 torch.zeros(shape, dtype=dt, device=dev) if g is None else g
                 for g, (shape, dt, dev) in zip(grads, outs)
             ]
-        res = self.fn_cls.backward(_TracedCtx(saved, attrs, fwd_needs), *grads)
+        with _no_final_callbacks():
+            res = self.fn_cls.backward(_TracedCtx(saved, attrs, fwd_needs), *grads)
         if not isinstance(res, tuple):
             res = (res,)
         n_edges = len(edge_valid)
@@ -115,6 +118,37 @@ class FunctionModule:
         return self.apply_functional(grads, *stack)
 
 
+class _NoCallbackEngine:
+    """Stands in for ``Variable._execution_engine`` while a custom backward is traced or run as a
+    module: a backward that queues a final callback has an effect a compiled graph would not
+    repeat, so it raises NotImplementedError and the node is called live instead."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def queue_callback(self, callback):
+        raise NotImplementedError(
+            "vjpgen: the backward queues a final callback (queue_callback); it is called live"
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@contextlib.contextmanager
+def _no_final_callbacks():
+    var = torch.autograd.Variable
+    engine = var._execution_engine
+    if isinstance(engine, _NoCallbackEngine):
+        yield
+        return
+    var._execution_engine = _NoCallbackEngine(engine)
+    try:
+        yield
+    finally:
+        var._execution_engine = engine
+
+
 _MODULES: dict = {}
 
 
@@ -126,6 +160,10 @@ def module_for(node_cls) -> FunctionModule | None:
         fn_cls = getattr(node_cls, "_forward_cls", None)
         backward = getattr(fn_cls, "backward", None) if fn_cls is not None else None
         if backward is None or backward is torch.autograd.Function.backward:
+            mod = None
+        elif (getattr(fn_cls, "__module__", "") or "").startswith("torch."):
+            # torch's own Functions (AOTAutograd's compiled backward, DDP's and FSDP's, checkpoint)
+            # drive runtime machinery from their backward: always the live node
             mod = None
         else:
             mod = FunctionModule(fn_cls)

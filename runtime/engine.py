@@ -332,6 +332,9 @@ class Plan:
         self.n_breaks = 0
         self.root_edges: list = []  # per root slot: (node index, input_nr)
         self.live_acc_bytes: dict = {}  # AccumulateGrad run live (hooks) -> bytes of its grad
+        self.acc_early: dict = {}  # step index -> acc sinks complete after it (see _place_sinks)
+        self.acc_final: list = []  # acc sinks accumulated after the last step
+        self.ran = False  # whether a call has executed this plan (see api._run_call)
 
 
 def _module_for(info: NodeInfo):
@@ -370,6 +373,15 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
             info.saved_names = tuple(getattr(info.module, "SAVED", ())) or tuple(
                 f"saved{k}" for k in range(len(schema))
             )
+        if info.pyfunc and info.live is None and info.module is not None:
+            # a ctx that holds objects (FSDP2's param group, DDP's reducer) makes the backward
+            # live: known now, so the plan places live steps and leaf accumulation around it
+            try:
+                info.module.get_saved(nodes[i])
+            except NotImplementedError as e:
+                info.live = ("node", f"NotImplementedError while get_state: {str(e).splitlines()[0][:200]}")
+            except Exception:  # left to the first call, which breaks the graph there
+                pass
         if info.pyfunc:
             n = nodes[i]
             nvalid = sum(1 for e in edges if e is not None)
@@ -602,6 +614,35 @@ def _partition(p: Plan) -> None:
         step.out_replace = [s in consumed_set and s in ins for s in outs]
         step.drop_in = [s for s in ins if s not in sink_slots and s not in outs]
     p.steps = steps
+    _place_sinks(p, producers)
+
+
+def _place_sinks(p: Plan, producers: dict) -> None:
+    """When each leaf is accumulated. The engine runs a leaf's AccumulateGrad as soon as its grad
+    is complete, so a live step later in the order sees the leaf's ``.grad`` (FSDP2's post-backward
+    reduce-scatters the unsharded parameters' grads from a custom Function's backward). A leaf
+    whose grad is complete before the last live step is accumulated right after the step that
+    completes it (``acc_early[k]``, k = -1: before the first step); the others together at the end
+    (``acc_final``), the fast batched case."""
+    step_of = {}
+    last_live = -1
+    for k, st in enumerate(p.steps):
+        if type(st) is Region:
+            for i in st.nodes:
+                step_of[i] = k
+        else:
+            step_of[st.node] = k
+            last_live = k
+    early: dict = {}
+    final = []
+    for ai, s in p.acc_sinks:
+        done = max((step_of.get(q, -1) for q in producers.get(s, ())), default=-1)
+        if done < last_live:
+            early.setdefault(done, []).append((ai, s))
+        else:
+            final.append((ai, s))
+    p.acc_early = early
+    p.acc_final = final
 
 
 # ------------------------------------------------------------------------------------------
@@ -865,13 +906,14 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
 class CallContext:
     """Per-call state shared with the sinks."""
 
-    __slots__ = ("protected", "graphs", "backend", "release")
+    __slots__ = ("protected", "graphs", "backend", "release", "acc_final")
 
     def __init__(self, backend, release: bool = False):
         self.protected = set()
         self.graphs = None
         self.backend = backend
         self.release = release  # no retain_graph: free saved tensors as the nodes run
+        self.acc_final = None  # the acc sinks left for accumulate_leaves (set by execute)
 
 
 def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
@@ -1093,7 +1135,20 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
         g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
         ctx.protected.add(id(g))
         buf[s] = g if buf[s] is None else buf[s] + g
-    for step in list(plan.steps):  # a graph break found now re-partitions plan.steps
+    early = plan.acc_early  # a graph break found now re-partitions plan.steps and these
+    ctx.acc_final = plan.acc_final
+    if early:
+        if -1 in early:
+            accumulate_leaves(plan, nodes, buf, ctx, early[-1])
+        for k, step in enumerate(list(plan.steps)):
+            if type(step) is Region:
+                _run_region(step, plan, nodes, metas, buf, ctx)
+            else:
+                _run_live(step.node, plan, nodes, metas, buf, ctx)
+            if k in early:
+                accumulate_leaves(plan, nodes, buf, ctx, early[k])
+        return buf
+    for step in list(plan.steps):
         if type(step) is Region:
             _run_region(step, plan, nodes, metas, buf, ctx)
         else:
@@ -1158,11 +1213,12 @@ def _clone_obey_contract(grad, var):
     return grad.clone(memory_format=torch.contiguous_format)
 
 
-def accumulate_leaves(plan: Plan, nodes, buf, ctx: CallContext) -> None:
+def accumulate_leaves(plan: Plan, nodes, buf, ctx: CallContext, sinks=None) -> None:
     """The AccumulateGrad sinks of a call, in the plan's order. Without hooks in the plan, the
     common case (a fresh grad stolen into an empty ``.grad``) runs for all leaves in one native
     call and :func:`accumulate_leaf` takes only the rest."""
-    sinks = plan.acc_sinks
+    if sinks is None:  # the call's last sinks (execute() kept the plan's list of this call)
+        sinks = ctx.acc_final if ctx.acc_final is not None else plan.acc_final
     nat = native.module()
     if nat is not None and sinks and (not plan.hooked or plan.live_acc_bytes or _native_hooked(plan)):
         grads = [buf[s] for _, s in sinks]
