@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install generate check-generated test demo bench bench-generate coverage clean
+.PHONY: install generate check-generated test demo demo-ddp bench bench-generate coverage clean
 
 install: $(STAMP)
 
@@ -26,6 +26,9 @@ test: $(STAMP)
 
 demo: $(STAMP) generate
 	$(PY) -m vjpgen.runtime.demo
+
+demo-ddp: $(STAMP) generate
+	$(PY) -m vjpgen.runtime.demo_ddp
 
 coverage: $(STAMP)
 	$(PY) -m tests.conformance --out coverage

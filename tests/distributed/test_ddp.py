@@ -4,7 +4,7 @@ optimizer steps), with the reducer's C++ hooks run live and the rest compiled.""
 import pytest
 import torch
 
-from . import ranks
+from vjpgen.runtime import ranks
 from .ddp_cases import CASES, run_cases
 
 pytestmark = pytest.mark.timeout(240)

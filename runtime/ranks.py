@@ -1,4 +1,5 @@
-"""Spawn ranks of a torch.distributed job on this machine (gloo on 127.0.0.1) for the tests.
+"""Spawn ranks of a torch.distributed job on this machine (gloo on 127.0.0.1): the DDP demo and the
+distributed tests use it.
 
 :func:`run` starts ``world_size`` processes, each of which joins a gloo process group over a free
 port of 127.0.0.1, calls ``fn(rank, world_size, *args)`` and sends back its result or its
