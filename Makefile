@@ -39,6 +39,7 @@ bench-generate: $(STAMP)
 bench: $(STAMP) bench-generate
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/bench_backward.py
+	$(PY) bench/bench_ddp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
