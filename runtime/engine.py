@@ -1140,7 +1140,9 @@ def accumulate_leaf(acc_node, grad, ctx: CallContext, node_hooks=None) -> None:
         grad = hooks.run_node_pre_hooks(node_hooks.pre, [grad])[0]
     if grad is not None:
         vg = var.grad
-        if sparse.is_sparse(grad) or sparse.is_sparse(var):
+        if (grad.layout is not _strided or var.layout is not _strided) and (
+            sparse.is_sparse(grad) or sparse.is_sparse(var)
+        ):
             if sparse.accumulate(acc_node, var, grad, id(grad) not in ctx.protected):
                 post = ()  # the live AccumulateGrad node ran them
             ctx.protected.add(id(grad))
