@@ -310,3 +310,25 @@ def test_demo_gcn_trains_with_eager_grads():
     s = rt.stats()
     assert s["graph_breaks"] == 2 and s["graph_breaks_by_class"] == {"SparseAddmmBackward0": 2}, s
     assert s["eager_fallbacks"] == 0 and s["cache_hits"] >= 6, s
+
+
+@pytest.mark.parametrize("sparse_grad", [False, True])
+def test_sparse_output_with_given_grad_and_leaf_hook(sparse_grad):
+    """A sparse root (backward(out, grad_tensors)), a hook on the sparse leaf, retain_graph twice."""
+    X0 = _dense(3, 3)
+
+    def run(backward):
+        S = _coo(requires_grad=True)
+        X = X0.clone().requires_grad_()
+        S.register_hook(lambda g: g * 3)
+        out = S * X  # sparse
+        g = out.detach() * 2 if sparse_grad else torch.ones(3, 3)
+        backward(out, g, retain_graph=True)
+        backward(out, g)
+        return [S.grad, X.grad]
+
+    ref = run(lambda y, g, **k: torch.autograd.backward(y, g, **k))
+    got = run(lambda y, g, **k: rt.backward(y, g, backend=BK, **k))
+    for k, (a, b) in enumerate(zip(got, ref)):
+        _check_grad(a, b, f"leaf {k}")
+    assert rt.stats()["eager_fallbacks"] == 0
