@@ -459,6 +459,8 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
                 if deps[d] == 0:
                     heapq.heappush(heap, (-nodes[d]._sequence_nr(), d))
     p.order = order
+    for i, reason in sparse.plan_reasons(p, nodes).items():  # the API records them as breaks
+        infos[i].live = ("node", reason)
     _partition(p)
     p.layout_leaves = sparse.layout_leaf_nodes(p)
     return p

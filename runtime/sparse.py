@@ -13,11 +13,12 @@ graph stays compiled. A node is live for sparsity when, on a call:
   a node's inputs to Python, so the generated modules take every input as strided; a leaf's layout
   is read from the leaf itself, on every call (:func:`check_layout_leaves`).
 
-The first three are seen in the tensors a region flattens: dynamo's tensor guards of a compiled
-graph check dispatch keys, so a sparse tensor where a dense one was compiled misses the cache and
-reaches the general path, which calls :func:`live_reasons` before it traces. Marking is sticky: a
-later call of the same structure with dense tensors still runs that node live (the same grads,
-only not compiled).
+A new plan marks the nodes with sparse saved values or a sparse layout-read leaf before its first
+call (:func:`plan_reasons`). On later calls the first three are seen in the tensors a region
+flattens: dynamo's tensor guards of a compiled graph check dispatch keys, so a sparse tensor where
+a dense one was compiled misses the cache and reaches the general path, which calls
+:func:`live_reasons` before it traces. Marking is sticky: a later call of the same structure with
+dense tensors still runs that node live (the same grads, only not compiled).
 """
 
 from __future__ import annotations
@@ -86,12 +87,13 @@ def _sparse_leaf_edge(plan, i, nodes, edges=None):
 
 
 def node_reason(plan, i, nodes, buf):
-    """Why node ``i`` must run live because of sparse tensors on this call, or None.
+    """Why node ``i`` must run live because of sparse tensors on this call, or None (``buf``
+    None: the grads are not looked at).
 
     Reads the node's state (``get_state``); a node whose state cannot be read is left to the
     caller's own handling of that error (None here)."""
     info = plan.infos[i]
-    for k, s in enumerate(info.in_slots):
+    for k, s in enumerate(info.in_slots if buf is not None else ()):
         if s is not None and is_sparse(buf[s]):
             return f"sparse grad for output {k}"
     if info.module is not None:
@@ -110,6 +112,20 @@ def node_reason(plan, i, nodes, buf):
             if nr is not None:
                 return "its formula reads the layout of a sparse leaf"
     return None
+
+
+def plan_reasons(plan, nodes) -> dict:
+    """Node index -> reason, for the traced nodes of a new plan that save a sparse tensor or read
+    the layout of a sparse leaf (the grads are not known yet: those are found on the call). Marking
+    them before the first call lets that call compile the dense rest at once."""
+    out = {}
+    for i in plan.order:
+        info = plan.infos[i]
+        if info.live is None and info.module is not None:
+            r = node_reason(plan, i, nodes, None)
+            if r is not None:
+                out[i] = r
+    return out
 
 
 def live_reasons(region, plan, nodes, buf) -> dict:
