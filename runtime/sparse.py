@@ -80,8 +80,12 @@ def layout_edges(module, n_edges: int):
 def _sparse_leaf_edge(plan, i, nodes, edges=None):
     """The first edge of node ``i`` (among ``edges``, a set of edge indices; None: all) that leads
     to a sparse leaf (AccumulateGrad), or None."""
-    for (j, _, d, nr) in plan.infos[i].out:
-        if (edges is None or j in edges) and plan.infos[d].is_acc and is_sparse(getattr(nodes[d], "variable", None)):
+    for j, _, d, nr in plan.infos[i].out:
+        if (
+            (edges is None or j in edges)
+            and plan.infos[d].is_acc
+            and is_sparse(getattr(nodes[d], "variable", None))
+        ):
             return nr
     return None
 
@@ -147,7 +151,9 @@ def layout_leaf_nodes(plan) -> tuple:
         info = plan.infos[i]
         if info.live is None and info.module is not None and reads_layout(info.module):
             edges = layout_edges(info.module, len(info.edges))
-            if any((edges is None or j in edges) and plan.infos[d].is_acc for (j, _, d, _) in info.out):
+            if any(
+                (edges is None or j in edges) and plan.infos[d].is_acc for (j, _, d, _) in info.out
+            ):
                 res.append((i, edges))
     return tuple(res)
 

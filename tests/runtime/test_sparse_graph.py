@@ -99,7 +99,9 @@ def test_sparse_sum_of_sparse_times_dense():
         S = _coo(requires_grad=True)
         X = X0.clone().requires_grad_()
         P = S * X  # sparse times dense, elementwise: a sparse result
-        return (torch.sparse.sum(P, dim=1).to_dense() * torch.arange(3.0)).sum() + torch.sparse.sum(P), [S, X]
+        return (torch.sparse.sum(P, dim=1).to_dense() * torch.arange(3.0)).sum() + torch.sparse.sum(
+            P
+        ), [S, X]
 
     _compare(build)
     assert rt.stats()["graph_breaks"] >= 1
@@ -192,7 +194,9 @@ def test_accumulation_into_existing_sparse_and_dense_grads():
         D = D0.clone().requires_grad_()
         backward(torch.sparse.mm(S, D).sum())  # S.grad sparse
         backward(torch.sparse.mm(S, D).pow(2).sum())  # sparse += sparse
-        backward((S * 3).sum())  # sparse .grad, dense grad: a dense sum (set by the live AccumulateGrad)
+        backward(
+            (S * 3).sum()
+        )  # sparse .grad, dense grad: a dense sum (set by the live AccumulateGrad)
         return [S.grad, D.grad]
 
     ref = run(lambda y: y.backward())
@@ -292,7 +296,8 @@ def test_issue_case_inductor():
 
 def test_demo_gcn_trains_with_eager_grads():
     """The demo's two-layer GCN on a sparse adjacency: eager's grads over SGD steps, the two sparse
-    products live (two graph breaks, found on the first call), the dense rest compiled and reused."""
+    products live (two graph breaks, found on the first call), the dense rest compiled and reused.
+    """
     from vjpgen.runtime import demo
 
     model, batch, loss_fn = demo.MODELS["gcn"]()
