@@ -37,11 +37,21 @@ def is_sparse(t) -> bool:
     return isinstance(t, torch.Tensor) and t.layout is not _STRIDED and t.layout in SPARSE_LAYOUTS
 
 
+def _of_sparse(t) -> bool:
+    """``t`` is sparse or a view into a sparse tensor (``values()`` of a COO tensor: dense, but
+    fake tensors cannot be made of it)."""
+    if t.layout is not _STRIDED:
+        return t.layout in SPARSE_LAYOUTS
+    b = t._base
+    return b is not None and b.layout is not _STRIDED and b.layout in SPARSE_LAYOUTS
+
+
 def any_sparse(values) -> bool:
-    """Whether any tensor in ``values`` (nested lists and tuples are searched) is sparse."""
+    """Whether any tensor in ``values`` (nested lists and tuples are searched) is sparse or a view
+    into a sparse tensor."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            if v.layout is not _STRIDED and v.layout in SPARSE_LAYOUTS:
+            if _of_sparse(v):
                 return True
         elif isinstance(v, (list, tuple)) and any_sparse(v):
             return True
@@ -108,7 +118,9 @@ def node_reason(plan, i, nodes, buf):
         if state is not None:
             names = info.saved_names or tuple(f"saved{k}" for k in range(len(state) - 1))
             for k, v in enumerate(state[1:]):
-                if is_sparse(v) or (isinstance(v, (list, tuple)) and any_sparse(v)):
+                if (isinstance(v, torch.Tensor) and _of_sparse(v)) or (
+                    isinstance(v, (list, tuple)) and any_sparse(v)
+                ):
                     nm = names[k] if k < len(names) else str(k)
                     return f"sparse saved value {nm}"
         if reads_layout(info.module):
