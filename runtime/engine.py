@@ -1087,7 +1087,8 @@ def _stealable(grad, var, ctx: CallContext) -> bool:
     nat = native.module()
     if nat is not None:
         return nat.stealable(grad, var)
-    return (grad._base is None or _owns_storage(grad)) and _obeys_layout_contract(grad, var)
+    # the layout contract first: it is False for a sparse grad, whose storage cannot be read
+    return _obeys_layout_contract(grad, var) and (grad._base is None or _owns_storage(grad))
 
 
 def _clone_obey_contract(grad, var):
