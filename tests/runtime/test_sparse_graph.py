@@ -372,3 +372,14 @@ def test_more_sparse_ops(op):
     # flag where eager's shallow copy of the stolen grad resets it (same indices, values, layout)
     _compare(build, coalesced_flag=op not in ("coalesce", "sparse_softmax"))
     assert rt.stats()["eager_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("op", ["transpose", "sparse_addmm"])
+def test_without_native_helper(monkeypatch, op):
+    """The Python walk, release and leaf accumulation (no native helper) with sparse grads."""
+    from vjpgen.runtime import native
+
+    monkeypatch.setitem(native._state, "module", None)
+    assert native.module() is None
+    test_more_sparse_ops(op)
+    test_issue_case_sparse_mm(True)
