@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from . import engine, graph_task, hooks, native
+from .sparse import SPARSE_LAYOUTS, leaf_node
 from .stats import STATS, record_eager_fallback
 
 log = logging.getLogger("vjpgen")
@@ -78,6 +79,8 @@ def _gradient_edge(t: torch.Tensor, what: str, i: int):
         raise RuntimeError(
             f"element {i} of {what} does not require grad and does not have a grad_fn"
         )
+    if t.layout != torch.strided:  # get_gradient_edge's view_as has no sparse kernel
+        return (leaf_node(t), 0)
     e = torch.autograd.graph.get_gradient_edge(t)
     return (e.node, e.output_nr)
 
@@ -113,7 +116,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     STATS.backward_calls += 1
     for t in (*outputs, *(inputs or ())):
-        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided and t.layout not in SPARSE_LAYOUTS:
             return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused,
                           f"{t.layout} tensors are not captured")
     grads = _make_grads(outputs, grad_outputs)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import capture, custom_function, fastpath, hooks, native
+from . import capture, custom_function, fastpath, hooks, native, sparse
 from .cache import Compiled, RegionCache, find, make_guard
 from .stats import STATS, record_break
 
@@ -64,6 +64,7 @@ def _get_module(name: str):
 
 _BackwardCFunction = torch.autograd.function.BackwardCFunction
 _Tensor = torch.Tensor
+_strided = torch.strided
 _Parameter = torch.nn.Parameter
 _dtype = torch.dtype
 _Size = torch.Size
@@ -335,6 +336,7 @@ class Plan:
         self.acc_early: dict = {}  # step index -> acc sinks complete after it (see _place_sinks)
         self.acc_final: list = []  # acc sinks accumulated after the last step
         self.ran = False  # whether a call has executed this plan (see api._run_call)
+        self.layout_leaves: tuple = ()  # traced nodes checked for a sparse leaf on every call (sparse.py)
 
 
 def _module_for(info: NodeInfo):
@@ -510,7 +512,10 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
                 if deps[d] == 0:
                     heapq.heappush(heap, (-nodes[d]._sequence_nr(), d))
     p.order = order
+    for i, reason in sparse.plan_reasons(p, nodes).items():  # the API records them as breaks
+        infos[i].live = ("node", reason)
     _partition(p)
+    p.layout_leaves = sparse.layout_leaf_nodes(p)
     return p
 
 
@@ -854,6 +859,7 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
                     raise RuntimeError(
                         f"{info.name}.apply_functional returned {len(outs)} grads for {len(info.edges)} edges"
                     )
+                sparse.check_traced_outputs(outs)
             except Exception as e:
                 raise _NodeTraceError(i, e) from e
             for (j, s, d, nr), (shape, dtype, device) in zip(info.out, emeta):
@@ -933,6 +939,29 @@ def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
         _run_live(i, plan, nodes, metas, buf, ctx)
 
 
+def _mark_live(plan: Plan, reasons: dict) -> None:
+    """Make the nodes of ``reasons`` (index -> why) graph breaks of the plan, for this call and later ones."""
+    for i, reason in reasons.items():
+        info = plan.infos[i]
+        info.live = ("node", reason)
+        record_break(info.name, reason)
+        log.debug("vjpgen: graph break at %s: %s", info.name, reason)
+    _partition(plan)
+
+
+def _sparse_break(region, plan, nodes, metas, buf, ctx) -> None:
+    """A region met sparse tensors: its nodes that touch them become graph breaks (later calls
+    compile the dense rest) and this call runs the region's nodes one by one."""
+    reasons = sparse.live_reasons(region, plan, nodes, buf)
+    if not reasons:  # a sparse tensor no node claims (never a wrong grad: the whole region runs live)
+        reasons = {i: "sparse tensor among the region's inputs" for i in region.nodes}
+    _mark_live(plan, reasons)
+    if ctx.graphs is not None:
+        ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
+    for i in region.nodes:
+        _run_live(i, plan, nodes, metas, buf, ctx)
+
+
 def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext):
     """The general path of :func:`_run_region`: flatten, look up, trace and compile on a miss.
     Returns (Compiled, T, I), or Nones when the region had to be interpreted."""
@@ -942,6 +971,9 @@ def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallC
         if isinstance(e.exc, RuntimeError) and _SECOND_BACKWARD in str(e.exc):
             raise e.exc from None  # this graph was freed by an earlier backward: not a graph break
         _break_region(e, region, plan, nodes, metas, buf, ctx, "get_state")
+        return None, None, None
+    if sparse.any_sparse(T):  # a compiled region holds dense tensors only (sparse.py)
+        _sparse_break(region, plan, nodes, metas, buf, ctx)
         return None, None, None
     compiled, fk = region.cache.lookup(S, T, I)
     if compiled is None:
@@ -1091,7 +1123,7 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: CallContext) -> None:
             grads = hooks.run_node_pre_hooks(h.pre, grads)
     mode = info.live[0] if info.live is not None else "module"
     outs = None
-    if mode == "module" and info.module is not None:
+    if mode == "module" and info.module is not None and not sparse.any_sparse(grads):
         try:
             state = info.module.get_state(node, info.sc.__getitem__ if info.sc is not None else None)
             outs = list(info.module.apply_functional_ivalue(list(grads), state))
@@ -1129,6 +1161,10 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: CallContext) -> None:
 def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
     """Run the plan; returns the slot buffer."""
     buf = [None] * plan.nslots
+    if plan.layout_leaves:
+        reasons = sparse.check_layout_leaves(plan, nodes)
+        if reasons:
+            _mark_live(plan, reasons)
     # the root grads are validated against the root edges (engine::execute)
     for (s, g), (ri, nr) in zip(zip(plan.root_slots, root_grads), plan.root_edges):
         m = metas[ri][nr]
@@ -1173,7 +1209,7 @@ def _non_overlapping_and_dense(t) -> bool:
 
 
 def _obeys_layout_contract(grad, var) -> bool:
-    if var.is_sparse or grad.is_sparse or var.is_nested:
+    if var.layout is not _strided or grad.layout is not _strided or var.is_nested:
         return False
     gst = grad.stride()
     if gst == var.stride() and grad.shape == var.shape and 0 not in gst and var.is_contiguous():
@@ -1204,7 +1240,8 @@ def _stealable(grad, var, ctx: CallContext) -> bool:
     nat = native.module()
     if nat is not None:
         return nat.stealable(grad, var)
-    return (grad._base is None or _owns_storage(grad)) and _obeys_layout_contract(grad, var)
+    # the layout contract first: it is False for a sparse grad, whose storage cannot be read
+    return _obeys_layout_contract(grad, var) and (grad._base is None or _owns_storage(grad))
 
 
 def _clone_obey_contract(grad, var):
@@ -1268,7 +1305,13 @@ def accumulate_leaf(acc_node, grad, ctx: CallContext, node_hooks=None) -> None:
         grad = hooks.run_node_pre_hooks(node_hooks.pre, [grad])[0]
     if grad is not None:
         vg = var.grad
-        if vg is None:
+        if (grad.layout is not _strided or var.layout is not _strided) and (
+            sparse.is_sparse(grad) or sparse.is_sparse(var)
+        ):
+            if sparse.accumulate(acc_node, var, grad, id(grad) not in ctx.protected):
+                post = ()  # the live AccumulateGrad node ran them
+            ctx.protected.add(id(grad))
+        elif vg is None:
             if _stealable(grad, var, ctx):
                 var.grad = grad.detach()
             else:
