@@ -37,15 +37,18 @@ def _worker(rank, world_size, port, pg_timeout, fn, args, results):
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
         )
-        try:
-            out = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    try:
+        out = fn(rank, world_size, *args)
         buf = io.BytesIO()  # tensors as bytes: a queue would share their storage with this process,
         torch.save(out, buf)  # which exits right after
         results.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        results.put((rank, "error", traceback.format_exc()))
+    except BaseException:  # noqa: BLE001 - reported before the process group goes (its peers' errors
+        results.put((rank, "error", traceback.format_exc()))  # follow from this one)
+    finally:
+        dist.destroy_process_group()
 
 
 def run(fn, *args, world_size: int = 2, timeout: float = 120.0, pg_timeout: float = 60.0) -> list:
@@ -69,6 +72,8 @@ def run(fn, *args, world_size: int = 2, timeout: float = 120.0, pg_timeout: floa
     try:
         while got < world_size:
             left = deadline - time.monotonic()
+            if left <= 0 and errors:
+                break
             if left <= 0:
                 raise TimeoutError(f"distributed job {fn.__name__} did not finish within {timeout:.0f} s")
             try:
@@ -84,7 +89,9 @@ def run(fn, *args, world_size: int = 2, timeout: float = 120.0, pg_timeout: floa
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank}:\n{value}")
-                break  # the other ranks will fail or time out: do not wait for them
+                # the other ranks fail from this one or hang: take what they report within a few
+                # seconds (the first error to arrive is not always the cause), then stop waiting
+                deadline = min(deadline, time.monotonic() + 5.0)
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))

@@ -36,3 +36,21 @@ def test_ddp_case_matches_eager_ddp(results, name):
     for a, b in zip(g0, g1):
         if a is not None:
             torch.testing.assert_close(a, b)
+
+
+def test_ddp_without_native_helper_goes_to_torch_autograd(monkeypatch):
+    """Without the native helper C++ hooks cannot be seen: an initialized torch.distributed sends
+    the backward to torch.autograd (counted), never a compiled backward that skips them."""
+    import vjpgen.runtime as rt
+    from vjpgen.runtime import graph_task, native
+
+    monkeypatch.setattr(native, "module", lambda: None)
+    monkeypatch.setattr(graph_task, "distributed_initialized", lambda: True)
+    rt.clear_cache()
+    rt.reset_stats()
+    x = torch.randn(3, requires_grad=True)
+    rt.backward((x * x).sum(), backend="aot_eager")
+    torch.testing.assert_close(x.grad, 2 * x.detach())
+    s = rt.stats()
+    assert s["eager_fallbacks"] == 1 and s["compiles"] == 0, s
+    assert any("torch.distributed" in r for r in s["eager_fallback_reasons"]), s
