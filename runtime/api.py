@@ -9,9 +9,10 @@ import warnings
 
 import torch
 
-from . import engine, graph_task, hooks, native
+from . import engine, graph_task, hooks, leaves, native, walk
+from . import plan as plan_mod
 from .sparse import SPARSE_LAYOUTS, leaf_node
-from .stats import STATS, record_eager_fallback
+from .stats import STATS, record_break, record_eager_fallback
 
 log = logging.getLogger("vjpgen")
 
@@ -48,7 +49,7 @@ def call_functional(node, grads) -> tuple:
     n_out = len(node._input_metadata)
     if len(grads) != n_out:
         raise TypeError(f"vjpgen: {name} expects {n_out} grads (one per output of the forward op), got {len(grads)}")
-    m = engine._get_module(name)
+    m = plan_mod._get_module(name)
     if m is None:
         raise NotImplementedError(f"vjpgen: no generated module for backward node {name}")
     return tuple(m.apply_functional_ivalue(list(grads), m.get_state(node)))
@@ -142,7 +143,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     check_t = hooks.any_tensor_hooks()
     check_n = hooks.any_node_hooks()
     wanted = [n for n, _ in targets_edges] if targets_edges is not None else ()
-    nodes, metas, hooked, key, index = engine.walk_fast(root_edges, check_t, check_n, wanted)
+    nodes, metas, hooked, key, index = walk.walk_fast(root_edges, check_t, check_n, wanted)
     root_idx = tuple((index[n], nr) for n, nr in root_edges)
     targets = None
     if targets_edges is not None:
@@ -155,16 +156,16 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     if plan is None:
         tkey = key
         if type(key) is bytes:  # the native walk's key: the plan reads the tuple form
-            walked, _, _, tkey, _ = engine.walk(root_edges, False, False)
+            walked, _, _, tkey, _ = walk.walk(root_edges, False, False)
             if walked != nodes:
                 raise RuntimeError("vjpgen: the native graph walk disagrees with the Python walk")
-        plan = engine.build_plan(nodes, metas, hooked, tkey, root_idx, targets, accumulate)
+        plan = plan_mod.build_plan(nodes, metas, hooked, tkey, root_idx, targets, accumulate)
         _PLANS[skey] = plan
         STATS.plans += 1
         for st in plan.steps:
-            if isinstance(st, engine.LiveStep):
+            if isinstance(st, plan_mod.LiveStep):
                 info = plan.infos[st.node]
-                engine.record_break(info.name, info.live[1])
+                record_break(info.name, info.live[1])
                 log.debug("vjpgen: graph break: %s called live (%s)", info.name, info.live[1])
         log.debug(
             "vjpgen: new graph structure: %d nodes, %d steps, %d graph breaks",
@@ -202,7 +203,7 @@ def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, 
     try:
         buf = engine.execute(plan, nodes, metas, grads, ctx)
         # sinks
-        engine.accumulate_leaves(plan, nodes, buf, ctx)
+        leaves.accumulate_leaves(plan, nodes, buf, ctx)
         result = None
         if targets is not None:
             captured = [None if s is None else buf[s] for s in plan.target_slots]

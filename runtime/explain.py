@@ -14,7 +14,7 @@ import html
 
 import torch
 
-from . import api, engine
+from . import api, walk
 from .stats import STATS
 
 
@@ -115,7 +115,7 @@ def explain(loss, *, svg: str | None = None, print_result: bool = True) -> Expla
     root = loss.grad_fn
     if root is None:
         raise RuntimeError("explain(loss): loss has no grad_fn")
-    nodes, _, _, _ = engine.collect([(root, loss.output_nr)], False, False)
+    nodes, _, _, _ = walk.collect([(root, loss.output_nr)], False, False)
     leaves = [n for n in nodes if type(n).__name__ == "AccumulateGrad"]
     edges = [torch.autograd.graph.GradientEdge(n, 0) for n in leaves]
     sink: list = []

@@ -5,7 +5,7 @@ The extension is built on first use with :func:`torch.utils.cpp_extension.load` 
 gcc, once per torch release and helper source; the build lives under vjpgen's cache folder, see
 :func:`vjpgen.codegen.environment.cache_root`). Where it cannot be built (no compiler, or
 ``VJPGEN_NATIVE=0``) the runtime does all of it in Python instead (slower, same effect; see
-:func:`vjpgen.runtime.engine.release_saved`), and says so once in the log.
+:func:`vjpgen.runtime.release.release_saved`), and says so once in the log.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import torch
 
 import vjpgen.runtime as rt
 from vjpgen.runtime import cache, demo, engine, fastpath
+from vjpgen.runtime import plan as plan_mod
 
 BK = "aot_eager"
 
@@ -170,7 +171,7 @@ def test_gather_constants_do_not_grow_with_nodes():
         for _ in range(2):
             ref = torch.autograd.grad(loss, x, retain_graph=True)[0]
             torch.testing.assert_close(rt.grad(loss, x, retain_graph=True, backend=BK)[0], ref)
-        regions = [s for p in rt.api._PLANS.values() for s in p.steps if isinstance(s, engine.Region)]
+        regions = [s for p in rt.api._PLANS.values() for s in p.steps if isinstance(s, plan_mod.Region)]
         fns = [fn for r in regions for fn, _, _ in r.fast]
         assert len(fns) == 1
         n_globals.append(len(fns[0].__globals__))

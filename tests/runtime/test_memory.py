@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import capture, engine, native
+from vjpgen.runtime import capture, engine, leaves, native, walk
 
 BK = "aot_eager"
 
@@ -130,14 +130,14 @@ def test_native_walk_matches_the_python_walk():
         return y
 
     y1, y2, y3 = graph(True), graph(True), graph(False)
-    fast = engine.walk_fast([(y1.grad_fn, 0)], False, False)
-    slow = engine.walk([(y1.grad_fn, 0)], False, False)
+    fast = walk.walk_fast([(y1.grad_fn, 0)], False, False)
+    slow = walk.walk([(y1.grad_fn, 0)], False, False)
     assert fast[0] == slow[0]  # the same node objects in the same order
     assert fast[4] == slow[4]
     assert [[tuple(m.shape) for m in md] for md in fast[1]] == [[tuple(m.shape) for m in md] for md in slow[1]]
     k1 = fast[3]
-    k2 = engine.walk_fast([(y2.grad_fn, 0)], False, False)[3]
-    k3 = engine.walk_fast([(y3.grad_fn, 0)], False, False)[3]
+    k2 = walk.walk_fast([(y2.grad_fn, 0)], False, False)[3]
+    k3 = walk.walk_fast([(y3.grad_fn, 0)], False, False)[3]
     assert k1 == k2, "the same structure must give the same key"
     assert k1 != k3, "CosBackward0 vs ExpBackward0 must give different keys"
     # a custom Function node and an invalid edge (an input that needs no grad) walk the same way
@@ -152,8 +152,8 @@ def test_native_walk_matches_the_python_walk():
 
     a = torch.randn(3, requires_grad=True)
     z = Double.apply(a.sin(), torch.randn(3)).sum()
-    fast = engine.walk_fast([(z.grad_fn, 0)], False, False)
-    slow = engine.walk([(z.grad_fn, 0)], False, False)
+    fast = walk.walk_fast([(z.grad_fn, 0)], False, False)
+    slow = walk.walk([(z.grad_fn, 0)], False, False)
     assert fast[0] == slow[0] and fast[4] == slow[4]
 
 
@@ -223,11 +223,11 @@ def test_native_walk_of_a_large_shared_graph_matches_the_python_walk():
 
     for n in (3, 1500, 4):
         y = graph(n)
-        fast = engine.walk_fast([(y.grad_fn, 0)], False, False)
-        slow = engine.walk([(y.grad_fn, 0)], False, False)
+        fast = walk.walk_fast([(y.grad_fn, 0)], False, False)
+        slow = walk.walk([(y.grad_fn, 0)], False, False)
         assert fast[0] == slow[0] and fast[4] == slow[4]
         assert len(fast[0]) == 3 * n + 2  # per step two unary nodes and the binary; the sum; the leaf
-        assert engine.walk_fast([(graph(n).grad_fn, 0)], False, False)[3] == fast[3]
+        assert walk.walk_fast([(graph(n).grad_fn, 0)], False, False)[3] == fast[3]
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
@@ -244,8 +244,8 @@ def test_native_walk_metadata_matches_torch(name):
     a = torch.randn(3, requires_grad=True)
     roots.append(torch.stack([a, torch.randn(3)]).sum())
     for r in roots:
-        nodes, metas, _, _, _ = engine.walk_fast([(r.grad_fn, 0)], False, False)
-        assert any(type(md) is not engine.EdgeMeta for mds in metas for md in mds) is False
+        nodes, metas, _, _, _ = walk.walk_fast([(r.grad_fn, 0)], False, False)
+        assert any(type(md) is not walk.EdgeMeta for mds in metas for md in mds) is False
         for n, md in zip(nodes, metas):
             assert [_meta_tuple(m) for m in md] == [_meta_tuple(m) for m in n._input_metadata], type(n).__name__
 
@@ -260,7 +260,7 @@ def test_native_walk_shares_equal_metadata_and_keeps_distinct_metadata_apart():
     for _ in range(4):
         h = h.sin()  # four SinBackward0 nodes, inputs all (3,) float32 cpu
     r = (h.sum() + x.double().sum() + x[:2].sum()).float()
-    nodes, metas, _, _, _ = engine.walk_fast([(r.grad_fn, 0)], False, False)
+    nodes, metas, _, _, _ = walk.walk_fast([(r.grad_fn, 0)], False, False)
     sins = [m for n, m in zip(nodes, metas) if type(n).__name__ == "SinBackward0"]
     assert len(sins) == 4 and all(m is sins[0] for m in sins)
     by_meta = {}
@@ -277,7 +277,7 @@ def test_native_walk_shares_equal_metadata_and_keeps_distinct_metadata_apart():
         h = h[1:]
     y = h.sum()
     for _ in range(2):
-        nodes, metas, _, _, _ = engine.walk_fast([(y.grad_fn, 0)], False, False)
+        nodes, metas, _, _, _ = walk.walk_fast([(y.grad_fn, 0)], False, False)
         for n, md in zip(nodes, metas):
             assert [_meta_tuple(m) for m in md] == [_meta_tuple(m) for m in n._input_metadata]
 
@@ -290,10 +290,10 @@ def test_native_walk_metadata_of_nested_inputs_falls_back_to_torch():
         warnings.simplefilter("ignore")  # nested tensors are a prototype API
         nt = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], requires_grad=True)
     r = torch.nested.to_padded_tensor((nt * 2).sin(), 0.0).sum()
-    nodes, metas, _, _, _ = engine.walk_fast([(r.grad_fn, 0)], False, False)
+    nodes, metas, _, _, _ = walk.walk_fast([(r.grad_fn, 0)], False, False)
     kinds = {type(n).__name__: type(md[0]) for n, md in zip(nodes, metas)}
-    assert kinds["SumBackward0"] is engine.EdgeMeta
-    assert kinds["SinBackward0"] is not engine.EdgeMeta  # torch's own object: nested shape
+    assert kinds["SumBackward0"] is walk.EdgeMeta
+    assert kinds["SinBackward0"] is not walk.EdgeMeta  # torch's own object: nested shape
     for n, md in zip(nodes, metas):
         assert [(m.is_nested_tensor, m.dtype, m.device) for m in md] == [
             (m.is_nested_tensor, m.dtype, m.device) for m in n._input_metadata
@@ -320,12 +320,12 @@ def test_native_stealable_matches_the_python_rule():
     ]
     ctx = engine.CallContext("eager")
     for grad, v, expected in cases:
-        py = (grad._base is None or engine._owns_storage(grad)) and engine._obeys_layout_contract(grad, v)
+        py = (grad._base is None or leaves._owns_storage(grad)) and leaves._obeys_layout_contract(grad, v)
         assert nat.stealable(grad, v) == py == expected, (grad.shape, grad.stride(), v.stride())
-        assert engine._stealable(grad, v, ctx) == expected
+        assert leaves._stealable(grad, v, ctx) == expected
     g = torch.randn(4, 6)
     ctx.protected.add(id(g))
-    assert not engine._stealable(g, var, ctx)  # held elsewhere in this call
+    assert not leaves._stealable(g, var, ctx)  # held elsewhere in this call
 
 
 def test_native_steal_grads():
@@ -366,8 +366,8 @@ def test_native_walk_index_of_wanted_nodes():
     x = torch.randn(3, requires_grad=True)
     h = x.sin()
     y = (h * h.cos()).sum()
-    full = engine.walk([(y.grad_fn, 0)], False, False)[4]
-    part = engine.walk_fast([(y.grad_fn, 0)], False, False, [h.grad_fn, torch.randn(2, requires_grad=True).exp().grad_fn])
+    full = walk.walk([(y.grad_fn, 0)], False, False)[4]
+    part = walk.walk_fast([(y.grad_fn, 0)], False, False, [h.grad_fn, torch.randn(2, requires_grad=True).exp().grad_fn])
     index = part[4]
     assert index == {y.grad_fn: 0, h.grad_fn: full[h.grad_fn]}  # the root, the wanted node found, no other
 

@@ -1,0 +1,119 @@
+"""Live steps: a node called as itself at a graph break, with the engine's semantics (its hooks, in
+the engine's order, through the native helper's ``call_node``), or through its generated module
+run eagerly."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import logging
+
+import torch
+
+from . import capture, hooks, native, sparse
+from .plan import Plan
+from .release import release_nodes
+from .stats import STATS
+from .walk import NativeHooks
+
+if TYPE_CHECKING:
+    from .engine import CallContext
+
+log = logging.getLogger("vjpgen")
+
+
+def _zeros_for(m):
+    return torch.zeros(m.shape, dtype=m.dtype, device=m.device)
+
+
+def _call_pyfunction(node, grads, md):
+    if getattr(node, "_vjpgen_materialize", True):
+        grads = [g if g is not None else _zeros_for(m) for g, m in zip(grads, md)]
+    out = node.apply(*grads)
+    if not isinstance(out, tuple):
+        out = (out,)
+    pos = [i for i, b in enumerate(node.needs_input_grad) if b]
+    res = []
+    k = 0
+    for m, _ in node.next_functions:
+        if m is None:
+            res.append(None)
+        else:
+            p_ = pos[k]
+            k += 1
+            res.append(out[p_] if p_ < len(out) else None)
+    return res
+
+
+def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
+    info = plan.infos[i]
+    node = nodes[i]
+    STATS.live_calls += 1
+    if ctx.graphs is not None:
+        ctx.graphs.append(("live", info.name, None, info.live[1] if info.live else "module called eagerly"))
+    grads = [None if s is None else buf[s] for s in info.in_slots]
+    h = plan.hooked.get(i)
+    nat = native.module()
+    if nat is not None and (info.live is None or info.live[0] == "node" or type(h) is NativeHooks):
+        # the engine's call_function, hooks included, in C++ (validate_outputs included)
+        outs = nat.call_node(node, grads, not ctx.release)
+        if ctx.release:
+            release_nodes(nodes, (i,), plan.infos)
+        ins = {id(g) for g in grads if g is not None}
+        for (j, s, d, nr) in info.out:
+            g = outs[j]
+            if g is None:
+                continue
+            if id(g) in ins:
+                ctx.protected.add(id(g))
+            buf[s] = g if buf[s] is None else buf[s] + g
+        return
+    if h is not None:
+        if h.tensor_pre:
+            for k, d in h.tensor_pre.items():
+                if k < len(grads) and grads[k] is not None:
+                    grads[k] = hooks.run_tensor_pre_hooks(d, grads[k])
+        if h.retain:
+            for k, ref in h.retain.items():
+                if k < len(grads):
+                    hooks.run_retain(ref, grads[k])
+        for k, s in enumerate(info.in_slots):  # captured grads see the hooked values
+            if s is not None:
+                buf[s] = grads[k]
+        if h.pre:
+            grads = hooks.run_node_pre_hooks(h.pre, grads)
+    mode = info.live[0] if info.live is not None else "module"
+    outs = None
+    if mode == "module" and info.module is not None and not sparse.any_sparse(grads):
+        try:
+            state = info.module.get_state(node, info.sc.__getitem__ if info.sc is not None else None)
+            outs = list(info.module.apply_functional_ivalue(list(grads), state))
+        except Exception as e:  # never a wrong gradient: ask the live node instead
+            log.debug("vjpgen: %s module failed eagerly (%s); calling the live node", info.name, e)
+            info.live = ("node", f"module failed eagerly: {type(e).__name__}")
+            outs = None
+    if outs is None:
+        if info.pyfunc:
+            outs = _call_pyfunction(node, grads, metas[i])
+        else:
+            r = node(*grads)
+            outs = list(r) if isinstance(r, (tuple, list)) else [r]
+    if ctx.release:
+        release_nodes(nodes, (i,), plan.infos)
+    ins = {id(g) for g in grads if g is not None}
+    for (j, s, d, nr) in info.out:
+        g = outs[j]
+        if g is None:
+            continue
+        m = metas[d][nr]
+        g = capture.validate_grad(g, m.shape, m.dtype, m.device, f"for input {nr} of {plan.infos[d].name}")
+        outs[j] = g
+    if h is not None and h.post:
+        outs = hooks.run_node_post_hooks(h.post, outs, grads)
+    for (j, s, d, nr) in info.out:
+        g = outs[j]
+        if g is None:
+            continue
+        if id(g) in ins:
+            ctx.protected.add(id(g))
+        buf[s] = g if buf[s] is None else buf[s] + g

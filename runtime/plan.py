@@ -1,0 +1,420 @@
+"""The plan of one graph structure (built once, cached by the API): which nodes run (those that
+lead to a leaf or a requested input), in what order (dependency counting, ties broken by sequence
+number as the engine's ready queue does), which of them run live (no working module, hooks,
+custom Functions that cannot be traced, sparse tensors) and how the rest split into compiled
+:class:`Region` s around them; where leaf accumulation happens."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+
+import torch
+
+from . import capture, custom_function, sparse
+from .cache import RegionCache
+from .release import raw_saved_names
+from .walk import NativeHooks
+
+log = logging.getLogger("vjpgen")
+
+_BackwardCFunction = torch.autograd.function.BackwardCFunction
+
+
+def _get_module(name: str):
+    from vjpgen import generated
+
+    gm = getattr(generated, "get_module", None)
+    if gm is None:
+        return None
+    try:
+        return gm(name)
+    except Exception as e:  # a module that fails to import is a missing module
+        log.debug("vjpgen: module for %s failed to import: %s", name, e)
+        return None
+
+
+class NodeInfo:
+    __slots__ = (
+        "cls", "name", "module", "is_acc", "pyfunc", "live", "num_inputs", "edges", "sc",
+        "in_slots", "out", "n_saved", "sym_flags", "saved_names", "sc_get",
+        "needs", "get_saved", "uses_meta", "raw_saved",
+    )
+
+    def __init__(self, cls, num_inputs, edges):
+        self.cls = cls
+        self.name = cls.__name__
+        self.num_inputs = num_inputs
+        self.edges = edges  # per next_functions edge: (dest index, input_nr) or None
+        self.is_acc = self.name == "AccumulateGrad"
+        self.pyfunc = issubclass(cls, _BackwardCFunction)
+        self.module = None
+        self.live = None  # None: traced; else (mode, reason), mode "node" | "module"
+        self.sc = None  # should_compute mask (tuple) or None when every valid edge is needed
+        self.sc_get = None  # sc.__getitem__ (the should_compute argument of get_state) or None
+        self.in_slots = ()  # per input: slot or None
+        self.out = ()  # needed edges: (edge index, slot, dest, input_nr)
+        self.n_saved = 0
+        self.sym_flags = ()
+        self.saved_names = ()
+        self.needs = None  # needs_input_grad: fixed by the plan's structure, read on first gather
+        self.get_saved = None  # module.get_saved(node, edge_meta): the saved values alone
+        self.uses_meta = False  # whether get_saved reads edge metadata (then the walk's is passed)
+        self.raw_saved = raw_saved_names(cls)  # the node's SavedVariable attributes (release_saved)
+
+
+class Region:
+    __slots__ = (
+        "nodes", "in_slots", "out_slots", "out_replace", "cache", "label", "index", "drop_in", "fast", "fast_keys",
+    )
+
+    def __init__(self, index, nodes):
+        self.index = index
+        self.nodes = nodes
+        self.in_slots = []
+        self.out_slots = []
+        self.out_replace = []
+        self.drop_in = []  # in_slots nothing reads after this region: dropped before its call
+        self.label = f"region {index}"
+        self.cache = RegionCache(self.label)
+        self.fast: list = []  # specialized gathers (see fastpath): (fn, by_ints, by_meta)
+        self.fast_keys: set = set()  # the S each was built for (or failed to build for)
+
+
+class LiveStep:
+    __slots__ = ("node",)
+
+    def __init__(self, node):
+        self.node = node
+
+
+class Plan:
+    def __init__(self):
+        self.infos: list[NodeInfo] = []
+        self.order: list[int] = []
+        self.steps: list = []
+        self.slot_of: dict = {}
+        self.nslots = 0
+        self.root_slots: list = []
+        self.acc_sinks: list = []  # (node index, slot)
+        self.target_slots: list = []  # per target: slot or None (grad() / backward(inputs=))
+        self.eager_reason = None  # whole call must go to torch.autograd
+        self.hooked: dict = {}
+        self.n_breaks = 0
+        self.root_edges: list = []  # per root slot: (node index, input_nr)
+        self.live_acc_bytes: dict = {}  # AccumulateGrad run live (hooks) -> bytes of its grad
+        self.acc_early: dict = {}  # step index -> acc sinks complete after it (see _place_sinks)
+        self.acc_final: list = []  # acc sinks accumulated after the last step
+        self.ran = False  # whether a call has executed this plan (see api._run_call)
+        self.layout_leaves: tuple = ()  # traced nodes checked for a sparse leaf on every call (sparse.py)
+
+
+def _module_for(info: NodeInfo):
+    if info.is_acc:
+        return None, None
+    if info.pyfunc:
+        m = custom_function.module_for(info.cls)
+        if m is None:
+            return None, ("node", "custom autograd.Function without its own backward")
+        return m, None
+    m = _get_module(info.name)
+    if m is None:
+        return None, ("node", "no generated module")
+    if not getattr(m, "TRANSLATED", True):
+        return m, ("node", "formula not translated")
+    return m, None
+
+
+def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: bool) -> Plan:
+    """``targets``: None (backward without inputs) or a list of (node index, input_nr) / None."""
+    p = Plan()
+    N = len(nodes)
+    infos = p.infos
+    for i, (cls, nin, edges) in enumerate(key):
+        info = NodeInfo(cls, nin, edges)
+        info.module, info.live = _module_for(info)
+        if info.module is not None:
+            info.get_saved = getattr(info.module, "get_saved", None)
+            info.uses_meta = getattr(info.module, "USES_EDGE_META", True)
+        if hooked and i in hooked and not info.is_acc:
+            info.live = ("node", hooked[i].describe())
+        if info.module is not None and info.live is None:
+            schema = getattr(info.module, "SCHEMA", ())
+            info.sym_flags = tuple(capture._sym_schema(s) for s in schema)
+            info.n_saved = len(schema)
+            info.saved_names = tuple(getattr(info.module, "SAVED", ())) or tuple(
+                f"saved{k}" for k in range(len(schema))
+            )
+        if info.pyfunc and info.live is None and info.module is not None:
+            # a ctx that holds objects (FSDP2's param group, DDP's reducer) makes the backward
+            # live: known now, so the plan places live steps and leaf accumulation around it
+            try:
+                info.module.get_saved(nodes[i])
+            except NotImplementedError as e:
+                info.live = ("node", f"NotImplementedError while get_state: {str(e).splitlines()[0][:200]}")
+            except Exception:  # left to the first call, which breaks the graph there
+                pass
+        if info.pyfunc:
+            n = nodes[i]
+            nvalid = sum(1 for e in edges if e is not None)
+            if sum(1 for b in n.needs_input_grad if b) != nvalid:
+                p.eager_reason = f"{info.name}: cannot map backward outputs to edges"
+        infos.append(info)
+    p.hooked = hooked or {}
+
+    target_set = set()
+    if targets is not None:
+        for t in targets:
+            if t is not None:
+                target_set.add(t)
+
+    def is_sink(dest, nr):
+        if targets is None:
+            return infos[dest].is_acc
+        return (dest, nr) in target_set
+
+    # topological order over all reachable nodes (Kahn), then "needed" in reverse
+    indeg = [0] * N
+    for info in infos:
+        for e in info.edges:
+            if e is not None:
+                indeg[e[0]] += 1
+    ready = [i for i in range(N) if indeg[i] == 0]
+    topo = []
+    while ready:
+        i = ready.pop()
+        topo.append(i)
+        for e in infos[i].edges:
+            if e is not None:
+                indeg[e[0]] -= 1
+                if indeg[e[0]] == 0:
+                    ready.append(e[0])
+    needed = [False] * N
+    for i in reversed(topo):
+        info = infos[i]
+        if info.is_acc:
+            continue
+        for e in info.edges:
+            if e is not None and (needed[e[0]] or is_sink(*e)):
+                needed[i] = True
+                break
+
+    # AccumulateGrad nodes with hooks the native helper found (DDP's reducer hook, leaf hooks,
+    # post-accumulate-grad hooks) run live where the engine would run them: as soon as their grad
+    # is complete, so a hook sees the backward in eager's order (DDP starts a bucket's all-reduce
+    # while the rest of the backward computes)
+    live_acc = set()
+    if hooked and accumulate:
+        for i, h in hooked.items():
+            if infos[i].is_acc and isinstance(h, NativeHooks) and (targets is None or (i, 0) in target_set):
+                needed[i] = True
+                infos[i].live = ("node", h.describe())
+                live_acc.add(i)
+
+    def edge_needed(e):
+        return e is not None and (needed[e[0]] or is_sink(*e))
+
+    # slots
+    slot_of = p.slot_of
+
+    def slot(dest, nr):
+        s = slot_of.get((dest, nr))
+        if s is None:
+            s = slot_of[(dest, nr)] = len(slot_of)
+        return s
+
+    for (ri, nr) in root_edges_idx:
+        p.root_slots.append(slot(ri, nr))
+        p.root_edges.append((ri, nr))
+    producers: dict = {}
+    for i in range(N):
+        info = infos[i]
+        if not needed[i]:
+            continue
+        out = []
+        mask = []
+        for j, e in enumerate(info.edges):
+            en = edge_needed(e)
+            mask.append(en)
+            if en:
+                s = slot(*e)
+                out.append((j, s, e[0], e[1]))
+                producers.setdefault(s, []).append(i)
+        info.out = tuple(out)
+        valid = [e is not None for e in info.edges]
+        info.sc = None if mask == valid else tuple(mask)
+        info.sc_get = None if info.sc is None else info.sc.__getitem__
+    for i in range(N):
+        infos[i].in_slots = tuple(slot_of.get((i, k)) for k in range(infos[i].num_inputs))
+    p.nslots = len(slot_of)
+    if targets is None:
+        for i in range(N):
+            if infos[i].is_acc and (i, 0) in slot_of and i not in live_acc:
+                p.acc_sinks.append((i, slot_of[(i, 0)]))
+    else:
+        for t in targets:
+            p.target_slots.append(None if t is None else slot_of.get(t))
+        if accumulate:
+            for t in targets:
+                if t is not None and infos[t[0]].is_acc and t in slot_of and t[0] not in live_acc:
+                    p.acc_sinks.append((t[0], slot_of[t]))
+    p.live_acc_bytes = {}
+    for i in live_acc:
+        m = metas[i][0] if metas[i] else None
+        p.live_acc_bytes[i] = _nbytes(m)
+
+    # execution order: dependency counting over needed nodes, ready queue by sequence number
+    run = [i for i in range(N) if needed[i]]
+    deps = [0] * N
+    for i in run:
+        for (_, _, d, _) in infos[i].out:
+            if needed[d]:
+                deps[d] += 1
+    heap = [(-nodes[i]._sequence_nr(), i) for i in run if deps[i] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        order.append(i)
+        for (_, _, d, _) in infos[i].out:
+            if needed[d]:
+                deps[d] -= 1
+                if deps[d] == 0:
+                    heapq.heappush(heap, (-nodes[d]._sequence_nr(), d))
+    p.order = order
+    for i, reason in sparse.plan_reasons(p, nodes).items():  # the API records them as breaks
+        infos[i].live = ("node", reason)
+    _partition(p)
+    p.layout_leaves = sparse.layout_leaf_nodes(p)
+    return p
+
+
+# Bytes of leaf grads with hooks (DDP's buckets) after which the compiled backward is cut, so the
+# hooks of those leaves (a bucket's all-reduce) run while the rest computes: DDP's own defaults for
+# its first bucket and the others (``dist._DEFAULT_FIRST_BUCKET_BYTES``, ``bucket_cap_mb=25``).
+FIRST_HOOKED_LEAF_BYTES = 1024 * 1024
+HOOKED_LEAF_BYTES = 25 * 1024 * 1024
+
+
+def _nbytes(m) -> int:
+    if m is None:
+        return 0
+    try:
+        n = 1
+        for d in m.shape:
+            n *= int(d)
+        return n * m.dtype.itemsize
+    except Exception:  # symbolic or unusual metadata: counts as nothing
+        return 0
+
+
+def _segments(p: Plan) -> dict:
+    """Node -> segment of the execution order: a new segment starts after the live leaf
+    (AccumulateGrad with hooks) at which the hooked leaves' grads since the last cut reach
+    FIRST_HOOKED_LEAF_BYTES (then HOOKED_LEAF_BYTES). Segments run one after another, so the
+    hooks of one segment's leaves run before the next segment's region starts."""
+    seg = {}
+    k = 0
+    acc_bytes = 0
+    cap = FIRST_HOOKED_LEAF_BYTES
+    live_acc = getattr(p, "live_acc_bytes", None) or {}
+    for i in p.order:
+        seg[i] = k
+        if i in live_acc:
+            acc_bytes += live_acc[i]
+            if acc_bytes >= cap:
+                k += 1
+                acc_bytes = 0
+                cap = HOOKED_LEAF_BYTES
+    return seg
+
+
+def _partition(p: Plan) -> None:
+    """Split the execution order into compiled regions around live nodes (stages), within the
+    segments of :func:`_segments`."""
+    infos = p.infos
+    order = p.order
+    seg = _segments(p)
+    stage = {}
+    for i in order:
+        stage.setdefault(i, 0)
+    for i in order:
+        s = stage[i] + (1 if infos[i].live is not None else 0)
+        for (_, _, d, _) in infos[i].out:
+            if d in stage and stage[d] < s:
+                stage[d] = s
+    keys = sorted({(seg[i], stage[i]) for i in order})
+    steps = []
+    p.n_breaks = 0
+    for key in keys:
+        traced = [i for i in order if (seg[i], stage[i]) == key and infos[i].live is None]
+        live = [i for i in order if (seg[i], stage[i]) == key and infos[i].live is not None]
+        if traced:
+            steps.append(Region(sum(isinstance(s, Region) for s in steps), traced))
+        for i in live:
+            steps.append(LiveStep(i))
+            p.n_breaks += 1
+    # region inputs / outputs
+    root_slots = set(p.root_slots)
+    producers: dict = {}
+    for i in order:
+        for (_, s, _, _) in infos[i].out:
+            producers.setdefault(s, set()).add(i)
+    sink_slots = {s for _, s in p.acc_sinks} | {s for s in p.target_slots if s is not None}
+    for step in steps:
+        if not isinstance(step, Region):
+            continue
+        members = set(step.nodes)
+        consumed = []
+        for i in step.nodes:
+            for s in infos[i].in_slots:
+                if s is not None:
+                    consumed.append(s)
+        ins = []
+        for s in consumed:
+            if s in ins:
+                continue
+            if s in root_slots or any(q not in members for q in producers.get(s, ())):
+                ins.append(s)
+        step.in_slots = ins
+        consumed_set = set(consumed)
+        outs = []
+        for i in step.nodes:
+            for (_, s, d, _) in infos[i].out:
+                if s in outs:
+                    continue
+                if d not in members or s in sink_slots:
+                    outs.append(s)
+        step.out_slots = outs
+        step.out_replace = [s in consumed_set and s in ins for s in outs]
+        step.drop_in = [s for s in ins if s not in sink_slots and s not in outs]
+    p.steps = steps
+    _place_sinks(p, producers)
+
+
+def _place_sinks(p: Plan, producers: dict) -> None:
+    """When each leaf is accumulated. The engine runs a leaf's AccumulateGrad as soon as its grad
+    is complete, so a live step later in the order sees the leaf's ``.grad`` (FSDP2's post-backward
+    reduce-scatters the unsharded parameters' grads from a custom Function's backward). A leaf
+    whose grad is complete before the last live step is accumulated right after the step that
+    completes it (``acc_early[k]``, k = -1: before the first step); the others together at the end
+    (``acc_final``), the fast batched case."""
+    step_of = {}
+    last_live = -1
+    for k, st in enumerate(p.steps):
+        if type(st) is Region:
+            for i in st.nodes:
+                step_of[i] = k
+        else:
+            step_of[st.node] = k
+            last_live = k
+    early: dict = {}
+    final = []
+    for ai, s in p.acc_sinks:
+        done = max((step_of.get(q, -1) for q in producers.get(s, ())), default=-1)
+        if done < last_live:
+            early.setdefault(done, []).append((ai, s))
+        else:
+            final.append((ai, s))
+    p.acc_early = early
+    p.acc_final = final
