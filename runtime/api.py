@@ -11,6 +11,7 @@ import torch
 
 from . import engine, graph_task, hooks, leaves, native, walk
 from . import plan as plan_mod
+from . import saved as _saved
 from .sparse import SPARSE_LAYOUTS, leaf_node
 from .stats import STATS, record_break, record_eager_fallback
 
@@ -102,11 +103,13 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     allocates a tuple or two per node, and on a graph of 10,000 nodes the collections this
     triggers made the per-node cost grow with the graph."""
     if not gc.isenabled():
-        return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
+        with _saved.per_call():  # each node's saved values are read once (saved-tensor hooks)
+            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
     gc.disable()
     engine.GC_PAUSED = True
     try:
-        return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
+        with _saved.per_call():
+            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
     finally:
         engine.GC_PAUSED = False
         gc.enable()

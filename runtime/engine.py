@@ -26,6 +26,7 @@ import time
 import torch
 
 from . import capture, fastpath, sparse
+from . import saved as _saved
 from .cache import Compiled, find, make_guard
 from .leaves import accumulate_leaves
 from .live import _run_live
@@ -111,14 +112,14 @@ def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False)
             needs = info.needs
             get_saved = info.get_saved
             if needs is None or get_saved is None:
-                state = info.module.get_state(node, info.sc_get)
+                state = _saved.state(info.module, node, info.sc_get)
                 needs = info.needs = tuple(state[0])  # the same for every call of this plan
                 saved = state[1:]
             else:
                 em = None
                 if info.uses_meta:  # the walk has read every node's input metadata already
                     em = [None if e is None else metas[e[0]][e[1]] for e in info.edges]
-                saved = get_saved(node, em)
+                saved = _saved.saved(info.module, node, em)
         except Exception as e:
             raise _NodeTraceError(i, e) from e
         if len(saved) != info.n_saved:
@@ -190,7 +191,7 @@ def _gather_labeled(region: Region, plan: Plan, nodes, metas, buf, labels: bool 
         info = infos[i]
         node = nodes[i]
         try:
-            state = info.module.get_state(node, info.sc.__getitem__ if info.sc is not None else None)
+            state = _saved.state(info.module, node, info.sc.__getitem__ if info.sc is not None else None)
         except Exception as e:
             raise _NodeTraceError(i, e) from e
         S.append(tuple(state[0]))
@@ -452,6 +453,7 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
     # after its last use: the nodes let go of their saved tensors, buf of the grads consumed here
     if ctx.release:
         release_nodes(nodes, region.nodes, plan.infos)
+    _saved.forget(nodes[i] for i in region.nodes)
     for s in region.drop_in:
         buf[s] = None
     outs = compiled.fn(compiled.args(T, I))  # boxed: the callee empties the list

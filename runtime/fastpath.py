@@ -21,6 +21,7 @@ import logging
 import torch
 
 from . import capture
+from . import saved as _saved
 
 log = logging.getLogger("vjpgen")
 
@@ -164,11 +165,11 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
                 em = [None if e is None else metas[e[0]][e[1]] for e in info.edges]
             else:
                 emit(f"s = {w.const(info.get_saved)}(n, None)")
-            saved = info.get_saved(node, em)
+            saved = _saved.saved(info.module, node, em)
             needs = info.needs
         else:
             emit(f"st = {w.const(info.module.get_state)}(n, {w.const(info.sc_get)})")
-            state = info.module.get_state(node, info.sc_get)
+            state = _saved.state(info.module, node, info.sc_get)
             needs = tuple(state[0])
             emit(f"if tuple(st[0]) != {w.const(needs)}: return None")
             emit("s = st[1:]")

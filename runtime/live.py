@@ -11,6 +11,7 @@ import logging
 import torch
 
 from . import capture, hooks, native, sparse
+from . import saved as _saved
 from .plan import Plan
 from .release import release_nodes
 from .stats import STATS
@@ -86,8 +87,10 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
     outs = None
     if mode == "module" and info.module is not None and not sparse.any_sparse(grads):
         try:
-            state = info.module.get_state(node, info.sc.__getitem__ if info.sc is not None else None)
+            state = _saved.state(info.module, node, info.sc.__getitem__ if info.sc is not None else None)
             outs = list(info.module.apply_functional_ivalue(list(grads), state))
+            del state
+            _saved.forget((node,))
         except Exception as e:  # never a wrong gradient: ask the live node instead
             log.debug("vjpgen: %s module failed eagerly (%s); calling the live node", info.name, e)
             info.live = ("node", f"module failed eagerly: {type(e).__name__}")

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from . import capture, custom_function, sparse
+from . import saved as _saved
 from .cache import RegionCache
 from .release import raw_saved_names
 from .walk import NativeHooks
@@ -149,7 +150,7 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
             # a ctx that holds objects (FSDP2's param group, DDP's reducer) makes the backward
             # live: known now, so the plan places live steps and leaf accumulation around it
             try:
-                info.module.get_saved(nodes[i])
+                _saved.saved(info.module, nodes[i])
             except NotImplementedError as e:
                 info.live = ("node", f"NotImplementedError while get_state: {str(e).splitlines()[0][:200]}")
             except Exception:  # left to the first call, which breaks the graph there

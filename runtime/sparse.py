@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from . import saved as _saved
+
 SPARSE_LAYOUTS = frozenset(
     {torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
 )
@@ -112,7 +114,7 @@ def node_reason(plan, i, nodes, buf):
             return f"sparse grad for output {k}"
     if info.module is not None:
         try:
-            state = info.module.get_state(nodes[i], info.sc_get)
+            state = _saved.state(info.module, nodes[i], info.sc_get)
         except Exception:
             state = None
         if state is not None:
