@@ -8,6 +8,7 @@
 // namedtuple class with the fields shape, dtype, device, is_nested_tensor, is_cpp_nested_tensor;
 // nodes with equal input metadata share one tuple, see InternedMetas).
 // With `wanted` (a sequence of nodes) the index holds only the roots and the wanted nodes found.
+// With meta_type the walk also returns {index: hook bits} of the nodes that have hooks (hook_flags).
 // stealable(grad, var): whether AccumulateGrad may keep grad itself as var.grad.
 // steal_grads(nodes, grads, protected): AccumulateGrad's common case for a batch of leaves.
 // hook_flags(nodes): per node a bit set of the hooks the engine would run around it (C++ and
@@ -284,6 +285,8 @@ class NodeIndex {
 // each node object. Per node the key holds: the node's Python type (its address), the number of
 // inputs, the number of edges and per edge (index of the next node, input_nr), or (-1, 0) for an
 // invalid edge. Equal keys mean the same graph structure within this process.
+int64_t flags_of(torch::autograd::Node* fn);  // the hook bits of a node (see HookFlags)
+
 pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind11::handle wanted) {
   PyObject* seq = PySequence_Fast(roots.ptr(), "vjpgen native.walk: expected a sequence of nodes");
   if (seq == nullptr) {
@@ -314,9 +317,16 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
   // each node's metadata is read when the node is reached, while its memory is in the cache (a
   // second pass over a 10,000-node graph missed the cache on every node)
   pybind11::list metas;
+  pybind11::dict hooked;
   const bool with_metas = !meta_type.is_none();
   for (size_t i = 0; i < order.size(); ++i) {
     torch::autograd::Node* fn = order[i];
+    if (with_metas) {  // the hooks the engine would run around this node, while it is in the cache
+      int64_t hf = flags_of(fn);
+      if (hf != 0) {
+        hooked[pybind11::int_(static_cast<int64_t>(i))] = pybind11::int_(hf);
+      }
+    }
     PyObject* obj = PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(i));
     if (with_metas) {
       pybind11::object m = pybind11::reinterpret_steal<pybind11::object>(node_metas(fn, obj, meta_type));
@@ -369,7 +379,7 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
   if (!with_metas) {
     return pybind11::make_tuple(nodes, kb, index);
   }
-  return pybind11::make_tuple(nodes, kb, index, metas);
+  return pybind11::make_tuple(nodes, kb, index, metas, hooked);
 }
 
 // Whether AccumulateGrad may keep `grad` itself as `var.grad` (vjpgen.runtime.engine._stealable
@@ -598,7 +608,7 @@ pybind11::list call_node(pybind11::handle node, pybind11::handle grads, bool kee
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vjpgen native helpers: release_variables and the graph walk on live autograd nodes";
   m.def("release", &release, "Node::release_variables() on each node of a sequence");
-  m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas])",
+  m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas, hooked])",
         pybind11::arg("roots"), pybind11::arg("meta_type") = pybind11::none(),
         pybind11::arg("wanted") = pybind11::none());
   m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen engine.accumulate_leaf)");

@@ -75,8 +75,8 @@ def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool, want
     nat = native.module()
     if nat is None:
         return walk(root_edges, check_tensor_hooks, check_node_hooks)
-    nodes, key, index, metas = nat.walk([n for n, _ in root_edges], EdgeMeta, wanted)
-    hooked = {i: NativeHooks(f) for i, f in nat.hook_flags(nodes).items()}  # every hook, C++ too
+    nodes, key, index, metas, flags = nat.walk([n for n, _ in root_edges], EdgeMeta, wanted)
+    hooked = {i: NativeHooks(f) for i, f in flags.items()} if flags else {}  # every hook, C++ too
     return nodes, metas, hooked, key, index
 
 
