@@ -114,3 +114,21 @@ def test_cdist_backward_backward_is_the_vjp_of_the_first_order_backward():
     assert got[1] is None
     assert_close([got[i] for i in (0, 2, 3)], [want[i] for i in (0, 2, 3)])
     assert HELPERS["_pdist_backward_backward"](None, G, x1, 2.0, d, (True, True, True)) == (None, None, None)
+
+
+def test_native_group_norm_backward_dispatcher_without_dY_under_no_grad_gives_zero_weight_grads():
+    """With grad mode off an undefined grad of the output counts as zero: dX from the stats' grads
+    alone, as eager autograd computes it, and zero (defined) grads of weight and bias."""
+    N, Cc, HxW, G = 2, 4, 3, 2
+    x, w = torch.randn(N, Cc, HxW, dtype=D), torch.randn(Cc, dtype=D)
+    xl = x.clone().requires_grad_()
+    xg = xl.reshape(N, G, -1)
+    mean, rstd = xg.mean(-1), (xg.var(-1, unbiased=False) + 1e-5).rsqrt()
+    dmean, drstd = torch.randn_like(mean), torch.randn_like(rstd)
+    (want,) = torch.autograd.grad([mean, rstd], [xl], [dmean, drstd])
+    with torch.no_grad():
+        dX, dw, db = HELPERS["native_group_norm_backward_dispatcher"](
+            None, dmean, drstd, x, mean.detach(), rstd.detach(), w, N, Cc, HxW, G, (True, True, True)
+        )
+    assert_close(dX, want)
+    assert_close((dw, db), (torch.zeros_like(w), torch.zeros_like(w)))
