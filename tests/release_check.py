@@ -47,7 +47,10 @@ def main() -> int:
     )
     modules = len(pkg.MODULES)
     print(f"formulas: {modules - len(untranslated)} of {modules} node classes translated; untranslated: {untranslated}")
-    report = json.loads((folder / "verify.json").read_text())
+    if name == generated.__name__:  # the committed package: no regeneration, no verify pass (make test checks it)
+        report = {"classes_reached": "-", "classes_verified": "-", "live_only": [], "seconds": 0}
+    else:
+        report = json.loads((folder / "verify.json").read_text())
     print(
         f"verify pass: {report['classes_reached']} classes reached, {report['classes_verified']} verified, "
         f"live-only: {report['live_only']} ({report['seconds']}s)"
