@@ -3,15 +3,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the torch release generated/ is for (pyproject.toml admits every supported release)
+DEV_TORCH := 2.13.0
 
-.PHONY: install generate check-generated test demo demo-ddp bench bench-generate coverage clean
+.PHONY: install generate check-generated test test-torch demo demo-ddp bench bench-generate coverage clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]' 'torch==$(DEV_TORCH)'
 	$(PY) -c 'from vjpgen.runtime.native import main; main()'
 	touch $(STAMP)
 
@@ -23,6 +25,24 @@ check-generated: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# make test-torch TORCH=2.14.1 (any release in pyproject.toml's range): a throwaway venv under /tmp
+# with that torch from the package index (a CUDA build on Linux, ~5 GB), vjpgen installed into it
+# (which must keep that torch), the package regenerated for it in vjpgen's cache and verified
+# against its live nodes, the op_db conformance, the native helper, then the demo. generated/ and
+# .venv are not touched.
+TORCH ?=
+TT_VENV ?= /tmp/vjpgen-venv-torch-$(TORCH)
+TT_PY := $(TT_VENV)/bin/python
+
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.14.1"; exit 2; }
+	test -x $(TT_PY) || $(PYTHON) -m venv $(TT_VENV)
+	$(TT_PY) -m pip install --quiet 'torch==$(TORCH)'
+	$(TT_PY) -m pip install --quiet -e '.[test]'
+	$(TT_PY) -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$(TORCH)' else f'installing vjpgen replaced torch $(TORCH) with {v}')"
+	$(TT_PY) -m tests.release_check
+	$(TT_PY) -m vjpgen.runtime.demo
 
 demo: $(STAMP) generate
 	$(PY) -m vjpgen.runtime.demo

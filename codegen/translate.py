@@ -45,6 +45,8 @@ _CONSTANTS: dict[str, str] = {
     "c10::nullopt": "None",
     "at::nullopt": "None",
     "M_PI": "math.pi",
+    "M_PI_2": "math.pi / 2",
+    "M_PI_4": "math.pi / 4",
     "M_E": "math.e",
     "M_SQRT2": "math.sqrt(2)",
     "M_LN2": "math.log(2)",

@@ -4,7 +4,11 @@ Public API (see README.md): :func:`call_functional`, :func:`backward`, :func:`gr
 :func:`compiled_autograd`, :func:`stats`, :func:`explain`.
 """
 
-from . import hooks as _hooks
+from .versions import warn_if_unsupported as _warn_if_unsupported
+
+_warn_if_unsupported()
+
+from . import hooks as _hooks  # noqa: E402
 
 _hooks.install()
 

@@ -27,6 +27,7 @@
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/utils/grad_layout_contract.h>
+#include <torch/version.h>
 
 #include <ATen/ATen.h>
 
@@ -40,12 +41,28 @@
 
 namespace {
 
-c10::intrusive_ptr<torch::autograd::Node> node_of(PyObject* o) {
+// How the Python wrappers hold their node differs between the supported torch releases (see
+// vjpgen.runtime.native): 2.12 keeps a std::shared_ptr<Node> in THPCppFunction::cdata and a
+// std::weak_ptr<PyNode> in THPFunction::cdata, 2.13 and 2.14 a c10::intrusive_ptr<Node> in both.
+// Everything below only uses NodeRef's get() and bool test.
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+using NodeRef = std::shared_ptr<torch::autograd::Node>;
+inline NodeRef py_node_ref(THPFunction* f) {
+  return f->cdata.lock();  // empty once the graph that held the node is gone
+}
+#else
+using NodeRef = c10::intrusive_ptr<torch::autograd::Node>;
+inline NodeRef py_node_ref(THPFunction* f) {
+  return f->cdata;
+}
+#endif
+
+NodeRef node_of(PyObject* o) {
   if (torch::autograd::THPCppFunction_Check(o)) {
     return reinterpret_cast<torch::autograd::THPCppFunction*>(o)->cdata;
   }
   if (THPFunction_Check(o)) {
-    return reinterpret_cast<THPFunction*>(o)->cdata;
+    return py_node_ref(reinterpret_cast<THPFunction*>(o));
   }
   return {};
 }

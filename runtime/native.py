@@ -68,11 +68,30 @@ def _load():
         )
     except Exception as e:  # no compiler, no headers: the Python fallback does the same, slower
         log.warning(
-            "vjpgen: could not build the native helper (%s: %s); saved tensors are released "
-            "from Python instead (slower). Set VJPGEN_NATIVE=0 to skip the build.",
-            type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "",
+            "vjpgen: could not build the native helper against torch %s (%s: %s); saved tensors are "
+            "released from Python instead (slower). Set VJPGEN_NATIVE=0 to skip the build.",
+            _torch_version(), type(e).__name__, _why(e),
         )
         return None
+
+
+def _torch_version() -> str:
+    try:
+        from vjpgen.codegen.environment import installed_torch_version
+
+        return installed_torch_version()
+    except Exception:  # noqa: BLE001 - only for the message
+        return "(unknown release)"
+
+
+def _why(e: BaseException) -> str:
+    """The first compiler ``error:`` line of a failed build (torch's exception carries the whole
+    build log), else the exception's first line."""
+    text = str(e)
+    for line in text.splitlines():
+        if "error:" in line:
+            return line.strip()[:300]
+    return text.splitlines()[0][:200] if text else ""
 
 
 def main() -> int:

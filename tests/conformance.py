@@ -7,7 +7,9 @@ grads shaped by ``node._input_metadata`` (``torch.testing.assert_close`` at the 
 default tolerance, NaN == NaN, dtypes must match).
 
 ``python -m tests.conformance --out coverage`` writes ``coverage/REPORT.md`` and
-``coverage/report.json``; the test suite runs :func:`run` over a fast subset.
+``coverage/report.json``; the test suite runs :func:`run` over a fast subset. The walk and the
+per-node check live in :mod:`vjpgen.runtime.verify`, which also runs them after a package is
+generated for another torch release.
 """
 
 from __future__ import annotations
@@ -17,169 +19,22 @@ import collections
 import json
 import sys
 import time
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from vjpgen.runtime import call_functional
-
-PASSED, MISMATCHED, RAISED, UNSUPPORTED = "passed", "mismatched", "raised", "unsupported"
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "complex128": torch.complex128}
-
-
-@dataclass
-class ClassResult:
-    tried: int = 0
-    counts: collections.Counter = field(default_factory=collections.Counter)
-    reasons: collections.Counter = field(default_factory=collections.Counter)
-    ops: set = field(default_factory=set)
-
-
-def walk(roots):
-    """Every node reachable from ``roots`` (grad_fns), each once."""
-    seen, order, stack = set(), [], list(roots)
-    while stack:
-        n = stack.pop()
-        if n is None or id(n) in seen:
-            continue
-        seen.add(id(n))
-        order.append(n)
-        stack.extend(f for f, _ in n.next_functions)
-    return order
-
-
-def _flatten(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _flatten(y)]
-    if isinstance(x, dict):
-        return [t for y in x.values() for t in _flatten(y)]
-    return []
-
-
-def _grads_for(node, gen):
-    grads = []
-    for meta in node._input_metadata:
-        dt = meta.dtype
-        if not (dt.is_floating_point or dt.is_complex) or meta.is_nested_tensor:
-            grads.append(None)
-            continue
-        grads.append(torch.randn(tuple(meta.shape), dtype=dt, device=meta.device, generator=gen))
-    return grads
-
-
-def _short(e: BaseException) -> str:
-    msg = " ".join(str(e).split())
-    return f"{type(e).__name__}: {msg[:160]}"
-
-
-def check_node(node, gen, drop: int | None = None) -> tuple[str, str]:
-    """(status, reason) of one node against the live node; ``drop`` makes that grad undefined."""
-    from vjpgen.generated import get_module
-
-    name = type(node).__name__
-    try:
-        mod = get_module(name)
-    except Exception as e:
-        return RAISED, f"importing the generated module failed: {_short(e)}"
-    if mod is None:
-        return UNSUPPORTED, "no generated module (not a derivatives.yaml node class)"
-    grads = _grads_for(node, gen)
-    if drop is not None:
-        grads[drop] = None
-    try:
-        with torch.no_grad():
-            expected = node(*grads)
-        if not isinstance(expected, (tuple, list)):
-            expected = (expected,)  # a node with one edge returns its grad unwrapped
-    except Exception as e:  # the oracle itself refuses these grads
-        return UNSUPPORTED, f"live node raised {_short(e)}"
-    try:
-        with torch.no_grad():
-            actual = call_functional(node, grads)
-    except NotImplementedError as e:
-        return RAISED, _short(e)
-    except Exception as e:
-        return RAISED, _short(e)
-    if len(actual) != len(expected):
-        return MISMATCHED, f"{len(actual)} grads returned, live node returned {len(expected)}"
-    for j, (a, b) in enumerate(zip(actual, expected)):
-        if b is None:
-            if a is not None:
-                return MISMATCHED, f"edge {j}: live node returned no grad, vjpgen returned one"
-            continue
-        if a is None:
-            if node.next_functions[j][0] is None:
-                continue  # the live node computes grads for invalid edges too; the engine drops them
-            return MISMATCHED, f"edge {j}: vjpgen returned no grad"
-        try:
-            torch.testing.assert_close(a, b, equal_nan=True)
-        except AssertionError as e:
-            return MISMATCHED, f"edge {j}: " + " ".join(str(e).split())[:400]
-        except Exception as e:
-            return MISMATCHED, f"edge {j}: {_short(e)}"
-    return PASSED, ""
-
-
-def run(op_names=None, dtypes=("float64", "float32", "complex128"), max_samples=None, log=None):
-    """Run the harness; returns {node class: ClassResult} and a list of per-op errors."""
-    from torch.testing._internal.common_methods_invocations import op_db
-
-    results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
-    op_errors: list[str] = []
-    gen = torch.Generator().manual_seed(0)
-    for op in op_db:
-        if not op.supports_autograd:
-            continue
-        label = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}"
-        if op_names is not None and label not in op_names and op.name not in op_names:
-            continue
-        supported = op.supported_dtypes("cpu")
-        for dname in dtypes:
-            dtype = DTYPES[dname]
-            if dtype not in supported:
-                continue
-            try:
-                samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))
-            except Exception as e:
-                op_errors.append(f"{label} {dname}: sample_inputs raised {_short(e)}")
-                continue
-            if max_samples is not None:
-                samples = samples[:max_samples]
-            for s in samples:
-                torch.manual_seed(0)
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        out = op(s.input, *s.args, **s.kwargs)
-                except Exception:
-                    continue  # the forward itself rejects this sample
-                roots = [t.grad_fn for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-                for node in walk(roots):
-                    name = type(node).__name__
-                    if name == "AccumulateGrad":
-                        continue
-                    r = results[name]
-                    r.tried += 1
-                    r.ops.add(label)
-                    # all grads defined, then (multi-output nodes) each grad undefined in turn
-                    drops = [None] + (list(range(len(node._input_metadata))) if len(node._input_metadata) > 1 else [])
-                    for drop in drops:
-                        with warnings.catch_warnings():
-                            warnings.simplefilter("ignore")
-                            status, reason = check_node(node, gen, drop)
-                        if drop is not None:
-                            r.tried += 1
-                            reason = f"{reason} [grad {drop} undefined]" if reason else reason
-                        r.counts[status] += 1
-                        if reason:
-                            r.reasons[f"{status}: {reason}"] += 1
-                        if log and status in (MISMATCHED, RAISED):
-                            log(f"{status:10} {name:40} {label} {dname}: {reason}")
-    return dict(results), op_errors
+from vjpgen.runtime.verify import (  # noqa: F401 - the harness core, shared with the runtime's verify pass
+    DTYPES,
+    MISMATCHED,
+    PASSED,
+    RAISED,
+    UNSUPPORTED,
+    ClassResult,
+    _flatten,
+    check_node,
+    run,
+    walk,
+)
 
 
 def _verified(r: ClassResult) -> bool:

@@ -7,20 +7,10 @@ any mismatch, and on any error that is not one of the documented limits (upstrea
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from tests.conformance import MISMATCHED, RAISED, run, summarize
-
-# NotImplementedError messages that are documented limits rather than bugs.
-ALLOWED = re.compile(
-    r"the derivative for '.*' is not implemented"  # upstream not_implemented(...)
-    r"|cannot be read from the live node"  # saved state torch does not expose
-    r"|is not recoverable"
-    r"|are not exposed by torch"
-    r"|nested tensors are not supported"
-)
+from vjpgen.runtime.verify import ALLOWED
 
 
 @pytest.fixture(scope="module")

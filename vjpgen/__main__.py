@@ -38,6 +38,12 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("-v", "--verbose", action="store_true", help="log timings")
         if name == "generate":
             s.add_argument("--force", action="store_true", help="regenerate even when the output is up to date")
+            s.add_argument(
+                "--no-verify",
+                action="store_true",
+                help="skip the conformance pass that follows generating for a torch release other than the "
+                "committed package's (see vjpgen.runtime.verify)",
+            )
     return p
 
 
@@ -61,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             generate(args.out, inputs, jobs=args.jobs, force=args.force)
             print(f"vjpgen: generate took {time.perf_counter() - t0:.1f}s")
+            if not args.no_verify:
+                _verify_if_other_release(args.out)
             return 0
         differ = check(args.out, inputs, jobs=args.jobs)
     except GenerateError as e:
@@ -76,6 +84,36 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"vjpgen: {args.out} matches its inputs ({time.perf_counter() - t0:.1f}s)")
     return 0
+
+
+def _verify_if_other_release(out: Path) -> None:
+    """After generating for a torch release other than the committed package's, check the new
+    package against the live nodes and mark what does not match live-only (``out/verify.json``)."""
+    import importlib
+    import re
+
+    from vjpgen.codegen.environment import installed_torch_version
+
+    committed = re.search(r"^TORCH_VERSION = ['\"](.+?)['\"]", (REPO / "generated" / "__init__.py").read_text(), re.M)
+    if committed and committed[1] == installed_torch_version():
+        return
+    out = out.resolve()
+    if not out.name.isidentifier():
+        print(f"vjpgen: not verified: {out.name!r} cannot be imported as a package (name --out like an identifier)")
+        return
+    if (out / "verify.json").exists():
+        print(f"vjpgen: {out / 'verify.json'} exists (checked when it was generated)")
+        return
+    from vjpgen.runtime.verify import verify_package
+
+    sys.path.insert(0, str(out.parent))
+    importlib.invalidate_caches()
+    s = verify_package(out, out.name)
+    print(
+        f"vjpgen: verified against torch {installed_torch_version()}'s live nodes in {s['seconds']:.0f}s: "
+        f"{s['classes_reached']} classes reached, {s['classes_verified']} verified, "
+        f"{s['mismatched']} mismatched, {s['raised']} raised (those run live; see {out / 'verify.json'})"
+    )
 
 
 if __name__ == "__main__":

@@ -961,3 +961,53 @@ def _euclidean_dist_backward(grad, x1, x2, res):
         x1 * ratio.sum(-1, True) - ratio.matmul(x2),
         x2 * ratio.sum(-2, False).unsqueeze(-1) - ratio.mT.matmul(x1),
     )
+
+
+def _sylvester_sum_solve(w: torch.Tensor, V: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+    """X with ``S X + X S = Y`` for ``S = V diag(w) V^H`` (Hermitian, ``w > 0``): in the eigenbasis
+    of S the equation is elementwise, ``X'_ij = Y'_ij / (w_i + w_j)``."""
+    Vh = V.mH
+    Yp = Vh @ Y @ V
+    Xp = Yp / (w.unsqueeze(-1) + w.unsqueeze(-2)).to(Yp.dtype)
+    return V @ Xp @ Vh
+
+
+@register
+def linalg_matrix_sqrth_differential(A: torch.Tensor, E: torch.Tensor) -> torch.Tensor:
+    """The differential of the principal square root ``S = sqrt(A)`` of a Hermitian positive-
+    definite ``A`` in direction ``E``: the Hermitian part of the X with ``S X + X S = E``. The map is
+    self-adjoint for the real Frobenius inner product, so the same function is the JVP
+    (``E = A_t``, Hermitian: X already is) and the VJP (``E = grad``, any matrix: its Hermitian
+    part is what a Hermitian input can take). ``A``'s eigendecomposition reads its lower triangle,
+    as ``matrix_sqrth`` does.
+
+    Mirrors FunctionsManual ``linalg_matrix_sqrth_differential`` (torch 2.14; ``linalg_matrix_sqrth``).
+    """
+    lam, Q = torch.linalg.eigh(A)
+    X = _sylvester_sum_solve(lam.sqrt(), Q, E)
+    return 0.5 * (X + X.mH)
+
+
+@register
+def linalg_polar_backward(gU, gH, A: torch.Tensor, U: torch.Tensor, H: torch.Tensor):
+    """VJP of the polar decomposition ``A = U H`` (``A`` m x n, m >= n, full column rank; ``U`` with
+    orthonormal columns, ``H = (A^H A)^(1/2)`` Hermitian positive-definite) wrt ``A``.
+
+    From ``dH = L^-1(dA^H A + A^H dA)`` with ``L(X) = H X + X H`` and ``dU = (dA - U dH) H^-1``:
+    ``gA = gU H^-1 + A L^-1(M + M^H)`` with ``M = gH - U^H gU H^-1``. An undefined ``gU`` / ``gH``
+    is zero; both undefined gives no gradient.
+
+    Mirrors FunctionsManual ``linalg_polar_backward`` (torch 2.14; ``linalg_polar``).
+    """
+    if gU is None and gH is None:
+        return None
+    w, V = torch.linalg.eigh(H)
+    Hinv = (V * (1 / w).to(V.dtype).unsqueeze(-2)) @ V.mH
+    M = gH if gH is not None else torch.zeros_like(H)
+    gA = None
+    if gU is not None:
+        gUHinv = gU @ Hinv
+        M = M - U.mH @ gUHinv
+        gA = gUHinv
+    term = A @ _sylvester_sum_solve(w, V, M + M.mH)
+    return term if gA is None else gA + term

@@ -355,3 +355,77 @@ def grid_sampler_3d_double_backward(
         ggI, ggGrid, grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask,
         torch.grid_sampler_3d, torch.ops.aten.grid_sampler_3d_backward,
     )
+
+
+# ---------------------------------------------------------------------------
+# double backward of cdist / pdist (torch 2.14)
+# ---------------------------------------------------------------------------
+
+
+def _dist_pair_grads(G: torch.Tensor, diff: torch.Tensor, dist: torch.Tensor, p: float) -> torch.Tensor:
+    """Per pair of rows with difference ``diff`` (last dim: features) and p-norm ``dist``:
+    ``G * d dist / d diff``, the terms ``_cdist_backward`` / ``_pdist_backward`` sum. ``p = 0``: 0;
+    ``p = 1``: ``G sign(diff)``; ``p = 2``: ``G diff / dist``; ``p = inf``: ``G sign(diff)`` where
+    ``|diff| == dist``; other ``p``: ``G diff |diff|^(p-2) / dist^(p-1)``. A zero ``dist`` (and for
+    ``p < 2`` a zero ``diff``) gives 0."""
+    Ge, De = G.unsqueeze(-1), dist.unsqueeze(-1)
+    zero = torch.zeros((), dtype=diff.dtype, device=diff.device)
+    if p == 0:
+        return diff * 0 * Ge
+    if p == 1:
+        return Ge * diff.sign()
+    if p == 2:
+        return torch.where(De == 0, zero, Ge * diff / De)
+    if p == float("inf"):
+        return Ge * diff.sign() * (diff.abs() == De)
+    if p < 2:
+        t = diff.sign() * diff.abs().pow(p - 1) * Ge / De.pow(p - 1)
+        return torch.where((De == 0).logical_or(diff == 0), zero, t)
+    return torch.where(De == 0, zero, diff * diff.abs().pow(p - 2) * Ge / De.pow(p - 1))
+
+
+def _cdist_backward_value(G, x1, x2, p, dist):
+    """``_cdist_backward(G, x1, x2, p, dist)``: the grad of ``cdist(x1, x2, p)`` wrt ``x1``."""
+    return _dist_pair_grads(G, x1.unsqueeze(-2) - x2.unsqueeze(-3), dist, p).sum(-2)
+
+
+def _pdist_backward_value(G, x, p, dist):
+    """``_pdist_backward(G, x, p, dist)``: the grad of ``pdist(x, p)`` wrt ``x`` (pairs i < j, row-major)."""
+    n = x.shape[0]
+    i, j = torch.triu_indices(n, n, 1, device=x.device)
+    t = _dist_pair_grads(G, x[i] - x[j], dist, p)
+    return torch.zeros_like(x).index_add(0, i, t).index_add(0, j, -t)
+
+
+def _masked(grads, mask):
+    return tuple(g if m else None for g, m in zip(grads, mask))
+
+
+@register
+def _cdist_backward_backward(grad, grad_output, x1, x2, p, cdist, grad_input_mask):
+    """VJP of ``_cdist_backward(grad_output, x1, x2, p, cdist)`` (the grad of ``cdist`` wrt ``x1``)
+    wrt ``(grad_output, x1, x2, cdist)``, ``cdist`` taken as an independent input: the VJP of
+    :func:`_cdist_backward_value` (the p-norm cases of :func:`_dist_pair_grads`). Entries not in
+    ``grad_input_mask`` are None; an undefined ``grad`` gives all None.
+
+    Mirrors FunctionsManual ``_cdist_backward_backward`` (torch 2.14; 2.12/2.13: not implemented).
+    """
+    if grad is None:
+        return (None,) * 4
+    _, vjp = torch.func.vjp(lambda g, a, b, d: _cdist_backward_value(g, a, b, p, d), grad_output, x1, x2, cdist)
+    return _masked(vjp(grad), grad_input_mask)
+
+
+@register
+def _pdist_backward_backward(grad, grad_output, self, p, pdist, grad_input_mask):
+    """VJP of ``_pdist_backward(grad_output, self, p, pdist)`` (the grad of ``pdist`` wrt ``self``)
+    wrt ``(grad_output, self, pdist)``, ``pdist`` taken as an independent input: the VJP of
+    :func:`_pdist_backward_value`. Entries not in ``grad_input_mask`` are None; an undefined
+    ``grad`` gives all None.
+
+    Mirrors FunctionsManual ``_pdist_backward_backward`` (torch 2.14; 2.12/2.13: not implemented).
+    """
+    if grad is None:
+        return (None,) * 3
+    _, vjp = torch.func.vjp(lambda g, x, d: _pdist_backward_value(g, x, p, d), grad_output, self, pdist)
+    return _masked(vjp(grad), grad_input_mask)

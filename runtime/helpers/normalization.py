@@ -388,3 +388,27 @@ def infinitely_differentiable_native_rms_norm_backward(
         full = dY * (input * rstd_b)
         dgamma = torch.sum(full, list(range(axis)), keepdim=False) if axis > 0 else full
     return dX, dgamma
+
+
+@register
+def native_group_norm_backward_dispatcher(dY, dmean, drstd, X, mean, rstd, gamma, N, C, HxW, group, grad_input_mask):
+    """VJP of ``native_group_norm`` wrt ``(input, weight, bias)`` when a higher-order gradient is
+    needed or mean/rstd receive gradients, written with differentiable ops: the values of
+    :func:`infinitely_differentiable_native_group_norm_backward` (which never reads ``eps``; this
+    signature has none), except that a gradient of ``mean`` or of ``rstd`` alone contributes to
+    ``dX`` (the other one counts as zero) where 2.12/2.13 drop it unless both are given, and that
+    with grad mode off an undefined ``dY`` counts as zero (so ``dgamma``/``dbeta`` come back as
+    zeros, not undefined, as the C++ node's non-differentiable path returns them).
+
+    Mirrors FunctionsManual ``native_group_norm_backward_dispatcher`` (torch 2.14's group-norm
+    entry; 2.12/2.13 call ``infinitely_differentiable_native_group_norm_backward`` directly).
+    """
+    if dY is None and not torch.is_grad_enabled():
+        dY = torch.zeros_like(X)
+    if dmean is not None and drstd is None:
+        drstd = torch.zeros_like(rstd)
+    elif drstd is not None and dmean is None:
+        dmean = torch.zeros_like(mean)
+    return infinitely_differentiable_native_group_norm_backward(
+        dY, dmean, drstd, X, mean, rstd, gamma, N, C, HxW, group, None, grad_input_mask
+    )

@@ -260,14 +260,14 @@ def copysign_tensor_self_backward(grad: torch.Tensor, self: torch.Tensor,
 # ---------------------------------------------------------------------------
 
 
-@register
+@register("clamp_backward", torch="<2.14")
 def clamp_backward(grad: torch.Tensor, self: torch.Tensor, min, max) -> torch.Tensor:
     """VJP of ``clamp(self, min, max)`` wrt ``self``: ``grad`` where ``min <= self <= max``, else 0.
 
     ``min``/``max`` are both Scalars-or-``None`` or both tensors-or-``None`` (the two C++
     overloads); a missing bound is not checked. At the bounds the subgradient is 1.
 
-    Mirrors FunctionsManual ``clamp_backward``.
+    Mirrors FunctionsManual ``clamp_backward`` of torch 2.12 and 2.13 (2.14: :func:`clamp_backward_ties_split`).
     """
     if min is not None and max is not None:
         pred = (self >= min).logical_and(self <= max)
@@ -280,7 +280,7 @@ def clamp_backward(grad: torch.Tensor, self: torch.Tensor, min, max) -> torch.Te
     return torch.where(pred, grad, _zero_scalar(grad))
 
 
-@register
+@register("clamp_backward_min_max", torch="<2.14")
 def clamp_backward_min_max(grad: torch.Tensor | None, self: torch.Tensor, min: torch.Tensor | None,
                            max: torch.Tensor | None, grad_input_mask) -> tuple:
     """VJP of ``clamp(self, min, max)`` wrt the tensor bounds ``(min, max)``.
@@ -291,7 +291,8 @@ def clamp_backward_min_max(grad: torch.Tensor | None, self: torch.Tensor, min: t
     quirk kept here: with only ``min`` defined but not requested, ``max``'s branch is not
     reached even if requested.
 
-    Mirrors FunctionsManual ``clamp_backward_min_max``.
+    Mirrors FunctionsManual ``clamp_backward_min_max`` of torch 2.12 and 2.13 (2.14:
+    :func:`clamp_backward_min_max_ties_split`).
     """
     if grad is None:
         return None, None
@@ -307,6 +308,92 @@ def clamp_backward_min_max(grad: torch.Tensor | None, self: torch.Tensor, min: t
     elif max is not None and grad_input_mask[1]:
         gmax = torch.where(self > max, grad, zero)
     return gmin, gmax
+
+
+@register("clamp_backward", torch=">=2.14")
+def clamp_backward_ties_split(grad: torch.Tensor, self: torch.Tensor, min, max) -> torch.Tensor:
+    """VJP of ``clamp(self, min, max)`` wrt ``self``, as torch 2.14 computes it.
+
+    Scalar bounds (``clamp.default``): ``grad`` where ``min < self < max`` strictly (a missing
+    bound is not checked), else 0; a tie with a bound and NaN ``self`` get 0.
+
+    Tensor bounds (``clamp.Tensor``; the bounds share the gradient at ties): 0 where ``self`` lies
+    strictly outside ``[min, max]``; ``grad / 2`` where it ties with one bound of a proper interval
+    (``min < max``: the bound gets the other half, see :func:`clamp_backward_min_max_ties_split`);
+    ``grad`` elsewhere: inside, NaN ``self``, a tie with ``min == max``, a tie beside a NaN bound.
+    With one bound, a tie gives ``grad / 2`` and NaN anywhere gives ``grad``.
+
+    Mirrors FunctionsManual ``clamp_backward`` of torch 2.14 (2.12/2.13: :func:`clamp_backward`).
+    """
+    zero = _zero_scalar(grad)
+    if not isinstance(min, torch.Tensor) and not isinstance(max, torch.Tensor):
+        if min is not None and max is not None:
+            pred = (self > min).logical_and(self < max)
+        elif min is not None:
+            pred = self > min
+        elif max is not None:
+            pred = self < max
+        else:
+            return grad
+        return torch.where(pred, grad, zero)
+    if min is not None and max is not None:
+        tie = (self == min).logical_or(self == max).logical_and(min < max)
+        outside = (self < min).logical_or(self > max)
+    elif min is not None:
+        tie, outside = self == min, self < min
+    elif max is not None:
+        tie, outside = self == max, self > max
+    else:
+        return grad
+    return torch.where(outside, zero, torch.where(tie, grad / 2, grad))
+
+
+@register("clamp_backward_min_max", torch=">=2.14")
+def clamp_backward_min_max_ties_split(grad: torch.Tensor | None, self: torch.Tensor, min: torch.Tensor | None,
+                                      max: torch.Tensor | None, grad_input_mask) -> tuple:
+    """VJP of ``clamp(self, min, max)`` wrt the tensor bounds ``(min, max)``, as torch 2.14 computes it.
+
+    Both bounds: ``min`` gets ``grad`` where ``self < min <= max`` and ``grad / 2`` where
+    ``self == min < max``; ``max`` gets ``grad`` where ``min <= max < self`` or ``max < min``
+    (then the result is ``max`` everywhere) and ``grad / 2`` where ``min < max == self``. A NaN
+    anywhere in an element gives that bound nothing, but for ``max < min``.
+    One bound ``b``: ``grad`` where ``self`` lies beyond it (below ``min``, above ``max``) or
+    either is NaN, ``grad / 2`` where ``self == b``.
+    Entries not in ``grad_input_mask`` or for undefined bounds are ``None``, with the same branch
+    structure as :func:`clamp_backward_min_max`.
+
+    Mirrors FunctionsManual ``clamp_backward_min_max`` of torch 2.14 (2.12/2.13: :func:`clamp_backward_min_max`).
+    """
+    if grad is None:
+        return None, None
+    zero = _zero_scalar(grad)
+    half = grad / 2
+    gmin = gmax = None
+    if max is not None and min is not None:
+        proper, ordered = min < max, min <= max
+        if grad_input_mask[0]:
+            gmin = torch.where((self < min).logical_and(ordered), grad,
+                               torch.where((self == min).logical_and(proper), half, zero))
+        if grad_input_mask[1]:
+            gmax = torch.where((self > max).logical_and(ordered).logical_or(max < min), grad,
+                               torch.where((self == max).logical_and(proper), half, zero))
+    elif min is not None and grad_input_mask[0]:
+        gmin = torch.where(self > min, zero, torch.where(self == min, half, grad))
+    elif max is not None and grad_input_mask[1]:
+        gmax = torch.where(self < max, zero, torch.where(self == max, half, grad))
+    return gmin, gmax
+
+
+@register
+def masked_fill_inplace_if_safe(self: torch.Tensor, mask: torch.Tensor, value) -> torch.Tensor:
+    """``self.masked_fill(mask, value)``. Upstream fills in place when autograd transforms and
+    tensor subclasses allow it, else out of place; the values are the same, so the functional form
+    is used here.
+
+    Mirrors FunctionsManual ``masked_fill_inplace_if_safe`` (torch 2.14; formulas of clamp_min /
+    clamp_max with tensor bounds, maximum, minimum, fmax, fmin).
+    """
+    return self.masked_fill(mask, value)
 
 
 # ---------------------------------------------------------------------------

@@ -82,10 +82,16 @@ def test_index_imports_lazily():
 
 
 def test_other_torch_release_gets_a_matching_package(tmp_path, monkeypatch):
+    import functools
+    import json
+
+    import vjpgen.runtime.verify as verify
     import vjpgen.runtime.versions as versions
 
     monkeypatch.setenv("VJPGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(versions, "installed_torch_version", lambda: "9.9.9")
+    monkeypatch.setattr(versions, "installed_torch_version", lambda: "2.14.99")
+    # the verify pass after generating, over two OpInfos instead of all of op_db (seconds)
+    monkeypatch.setattr(verify, "verify_package", functools.partial(verify.verify_package, op_names=["mul", "clamp"]))
     versions.package_for_installed_torch.cache_clear()
     try:
         name = versions.package_for_installed_torch("vjpgen.generated", "2.13.0")
@@ -95,6 +101,8 @@ def test_other_torch_release_gets_a_matching_package(tmp_path, monkeypatch):
         pkg = importlib.import_module(name)
         assert pkg.get_module("MulBackward0").NAME == "MulBackward0"
         assert (tmp_path / "generated").is_dir()
+        report = json.loads((Path(pkg.__file__).parent / "verify.json").read_text())
+        assert report["classes_verified"] >= 2 and report["live_only"] == [], report
     finally:
         versions.package_for_installed_torch.cache_clear()
         sys.path[:] = [p for p in sys.path if not p.startswith(str(tmp_path))]
@@ -109,12 +117,27 @@ def test_other_torch_release_without_yaml_names_the_command(tmp_path, monkeypatc
         raise GenerateError("derivatives.yaml: cannot read input")
 
     monkeypatch.setenv("VJPGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(versions, "installed_torch_version", lambda: "9.9.8")
+    monkeypatch.setattr(versions, "installed_torch_version", lambda: "2.14.98")
     monkeypatch.setattr(gen, "generate", broken)
     versions.package_for_installed_torch.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=r"run `python -m vjpgen generate --out .*torch-9_9_8"):
+        with pytest.raises(RuntimeError, match=r"run `python -m vjpgen generate --out .*torch-2_14_98"):
             versions.package_for_installed_torch("vjpgen.generated", "2.13.0")
+    finally:
+        versions.package_for_installed_torch.cache_clear()
+
+
+def test_torch_outside_the_supported_range_runs_every_node_live(tmp_path, monkeypatch):
+    import vjpgen.runtime.versions as versions
+
+    monkeypatch.setenv("VJPGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(versions, "installed_torch_version", lambda: "2.11.0")
+    versions.package_for_installed_torch.cache_clear()
+    try:
+        assert versions.package_for_installed_torch("vjpgen.generated", "2.13.0") is None
+        with pytest.warns(RuntimeWarning, match=r"torch 2\.11\.0 is outside the releases vjpgen supports"):
+            assert versions.warn_if_unsupported() is False
+        assert not (tmp_path / "generated").exists()  # nothing generated for it
     finally:
         versions.package_for_installed_torch.cache_clear()
 

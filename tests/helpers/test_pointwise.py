@@ -209,11 +209,12 @@ def test_clamp_scalar_backward(lo, hi):
     a = leaf(data=[-1.0, -0.5, 0.0, 0.2, 0.5, 1.0])
     if lo is None and hi is None:
         g = torch.randn(6, dtype=D)
-        assert P.clamp_backward(g, a, None, None) is g
+        assert HELPERS["clamp_backward"](g, a, None, None) is g
         return
     out = torch.clamp(a, lo, hi)
     node, (g,), (want,) = live_from_output(out)
-    check_grad(P.clamp_backward(g, saved(node, "self"), saved(node, "min"), saved(node, "max")), want)
+    # the running torch's entry (2.14 changed the meaning; tests/helpers/test_registry.py)
+    check_grad(HELPERS["clamp_backward"](g, saved(node, "self"), saved(node, "min"), saved(node, "max")), want)
 
 
 @pytest.mark.parametrize("which", ["both", "min", "max"])
@@ -229,9 +230,9 @@ def test_clamp_tensor_backward(which, mask):
     g = torch.randn_like(out)
     want = as_tuple(node(g))
     s_min, s_max = saved(node, "min"), saved(node, "max")
-    check_grad(P.clamp_backward(g, saved(node, "self"), s_min, s_max), want[0])
+    check_grad(HELPERS["clamp_backward"](g, saved(node, "self"), s_min, s_max), want[0])
     req = (lo is not None and lo.requires_grad, hi is not None and hi.requires_grad)
-    gmin, gmax = P.clamp_backward_min_max(g, saved(node, "self"), s_min, s_max, req)
+    gmin, gmax = HELPERS["clamp_backward_min_max"](g, saved(node, "self"), s_min, s_max, req)
     # edges are (self, min, max) even for a missing bound
     check_grad(gmin, want[1])
     check_grad(gmax, want[2])

@@ -1,0 +1,246 @@
+"""Generated kernels against the live C++ nodes over torch's OpInfo db: the conformance core.
+
+``tests/conformance.py`` (``make coverage``, the test suite) builds its reports on these
+functions; :func:`verify_package` runs a quick pass of them (CPU, float64, one sample per op)
+after a package is generated for a torch release other than the committed one
+(:mod:`vjpgen.runtime.versions`, ``python -m vjpgen generate``). A class that mismatches the
+live node or raises an error that is not a documented limit is written to the package's
+``verify.json`` as *live-only*: the package's index then serves no module for it and the
+runtime runs the live node (correct, slower), so a stale or wrong formula costs speed, never a
+gradient.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import logging
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("vjpgen")
+
+PASSED, MISMATCHED, RAISED, UNSUPPORTED = "passed", "mismatched", "raised", "unsupported"
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "complex128": torch.complex128}
+
+# NotImplementedError messages that are documented limits rather than wrong formulas.
+ALLOWED = re.compile(
+    r"the derivative for '.*' is not implemented"  # upstream not_implemented(...)
+    r"|cannot be read from the live node"  # saved state torch does not expose
+    r"|is not recoverable"
+    r"|are not exposed by torch"
+    r"|nested tensors are not supported"
+)
+
+
+@dataclass
+class ClassResult:
+    tried: int = 0
+    counts: collections.Counter = field(default_factory=collections.Counter)
+    reasons: collections.Counter = field(default_factory=collections.Counter)
+    ops: set = field(default_factory=set)
+
+
+def walk(roots):
+    """Every node reachable from ``roots`` (grad_fns), each once."""
+    seen, order, stack = set(), [], list(roots)
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        order.append(n)
+        stack.extend(f for f, _ in n.next_functions)
+    return order
+
+
+def _flatten(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _flatten(y)]
+    if isinstance(x, dict):
+        return [t for y in x.values() for t in _flatten(y)]
+    return []
+
+
+def _grads_for(node, gen):
+    grads = []
+    for meta in node._input_metadata:
+        dt = meta.dtype
+        if not (dt.is_floating_point or dt.is_complex) or meta.is_nested_tensor:
+            grads.append(None)
+            continue
+        grads.append(torch.randn(tuple(meta.shape), dtype=dt, device=meta.device, generator=gen))
+    return grads
+
+
+def _short(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg[:160]}"
+
+
+def _default_get_module(name):
+    from vjpgen.generated import get_module
+
+    return get_module(name)
+
+
+def check_node(node, gen, drop: int | None = None, get_module=None) -> tuple[str, str]:
+    """(status, reason) of one node's generated module against the live node; ``drop`` makes that
+    grad undefined. ``get_module`` maps a node class name to its module (default: the installed
+    ``vjpgen.generated``)."""
+    name = type(node).__name__
+    try:
+        mod = (get_module or _default_get_module)(name)
+    except Exception as e:
+        return RAISED, f"importing the generated module failed: {_short(e)}"
+    if mod is None:
+        return UNSUPPORTED, "no generated module (not a derivatives.yaml node class)"
+    grads = _grads_for(node, gen)
+    if drop is not None:
+        grads[drop] = None
+    try:
+        with torch.no_grad():
+            expected = node(*grads)
+        if not isinstance(expected, (tuple, list)):
+            expected = (expected,)  # a node with one edge returns its grad unwrapped
+    except Exception as e:  # the oracle itself refuses these grads
+        return UNSUPPORTED, f"live node raised {_short(e)}"
+    try:
+        with torch.no_grad():
+            actual = tuple(mod.apply_functional_ivalue(list(grads), mod.get_state(node)))
+    except Exception as e:
+        return RAISED, _short(e)
+    if len(actual) != len(expected):
+        return MISMATCHED, f"{len(actual)} grads returned, live node returned {len(expected)}"
+    for j, (a, b) in enumerate(zip(actual, expected)):
+        if b is None:
+            if a is not None:
+                return MISMATCHED, f"edge {j}: live node returned no grad, vjpgen returned one"
+            continue
+        if a is None:
+            if node.next_functions[j][0] is None:
+                continue  # the live node computes grads for invalid edges too; the engine drops them
+            return MISMATCHED, f"edge {j}: vjpgen returned no grad"
+        try:
+            torch.testing.assert_close(a, b, equal_nan=True)
+        except AssertionError as e:
+            return MISMATCHED, f"edge {j}: " + " ".join(str(e).split())[:400]
+        except Exception as e:
+            return MISMATCHED, f"edge {j}: {_short(e)}"
+    return PASSED, ""
+
+
+def run(op_names=None, dtypes=("float64", "float32", "complex128"), max_samples=None, log=None, get_module=None):
+    """Run the harness over op_db (CPU); returns {node class: ClassResult} and a list of per-op errors."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
+    op_errors: list[str] = []
+    gen = torch.Generator().manual_seed(0)
+    for op in op_db:
+        if not op.supports_autograd:
+            continue
+        label = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}"
+        if op_names is not None and label not in op_names and op.name not in op_names:
+            continue
+        supported = op.supported_dtypes("cpu")
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            if dtype not in supported:
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    samples = op.sample_inputs("cpu", dtype, requires_grad=True)
+                    samples = list(samples) if max_samples is None else [s for _, s in zip(range(max_samples), samples)]
+            except Exception as e:
+                op_errors.append(f"{label} {dname}: sample_inputs raised {_short(e)}")
+                continue
+            for s in samples:
+                torch.manual_seed(0)
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        out = op(s.input, *s.args, **s.kwargs)
+                except Exception:
+                    continue  # the forward itself rejects this sample
+                roots = [t.grad_fn for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+                for node in walk(roots):
+                    name = type(node).__name__
+                    if name == "AccumulateGrad":
+                        continue
+                    r = results[name]
+                    r.tried += 1
+                    r.ops.add(label)
+                    # all grads defined, then (multi-output nodes) each grad undefined in turn
+                    drops = [None] + (list(range(len(node._input_metadata))) if len(node._input_metadata) > 1 else [])
+                    for drop in drops:
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore")
+                            status, reason = check_node(node, gen, drop, get_module)
+                        if drop is not None:
+                            r.tried += 1
+                            reason = f"{reason} [grad {drop} undefined]" if reason else reason
+                        r.counts[status] += 1
+                        if reason:
+                            r.reasons[f"{status}: {reason}"] += 1
+                        if log and status in (MISMATCHED, RAISED):
+                            log(f"{status:10} {name:40} {label} {dname}: {reason}")
+    return dict(results), op_errors
+
+
+def live_only(results) -> dict[str, str]:
+    """{node class: first reason} for every class with a mismatch or an error that is not a
+    documented limit (:data:`ALLOWED`)."""
+    bad = {}
+    for name, r in sorted(results.items()):
+        for reason, _n in r.reasons.most_common():
+            if reason.startswith(MISMATCHED) or (reason.startswith(RAISED) and not ALLOWED.search(reason)):
+                bad[name] = reason
+                break
+    return bad
+
+
+def verify_package(out: Path, package: str, max_samples: int = 1, op_names=None) -> dict:
+    """Quick conformance pass of the freshly generated ``package`` (folder ``out``, importable)
+    against the installed torch's live nodes: op_db on the CPU, float64, ``max_samples`` samples
+    per op (``op_names``: only those OpInfos). Writes ``out/verify.json`` (summary, ``live_only`` classes with their reason), logs
+    each live-only class, and returns the summary."""
+    t0 = time.perf_counter()
+    pkg = importlib.import_module(package)
+    results, _errs = run(op_names, dtypes=("float64",), max_samples=max_samples, get_module=pkg.get_module)
+    bad = live_only(results)
+    reached = [n for n in results if n in pkg.MODULES]
+    verified = [n for n in reached if n not in bad and results[n].counts[PASSED]]
+    summary = {
+        "torch": torch.__version__,
+        "classes_reached": len(reached),
+        "classes_verified": len(verified),
+        "mismatched": sum(1 for r in bad.values() if r.startswith(MISMATCHED)),
+        "raised": sum(1 for r in bad.values() if r.startswith(RAISED)),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    for name, reason in bad.items():
+        log.warning("vjpgen: %s does not match torch %s's live node, marked live-only: %s", name, torch.__version__, reason)
+    pkg.LIVE_ONLY = frozenset(bad)  # this process imported the index before verify.json existed
+    for name in bad:
+        pkg._loaded.pop(name, None)
+    data = {**summary, "live_only": sorted(bad), "reasons": bad}
+    tmp = out / f".verify.json.{id(data)}"
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    tmp.replace(out / "verify.json")
+    log.warning(
+        "vjpgen: verified %s for torch %s against its live nodes in %.0fs: %d classes reached, %d verified, "
+        "%d live-only (%d mismatched, %d raised)",
+        out, torch.__version__, summary["seconds"], summary["classes_reached"], summary["classes_verified"],
+        len(bad), summary["mismatched"], summary["raised"],
+    )
+    return summary

@@ -1,0 +1,134 @@
+"""Helpers that only torch 2.14's formulas call, checked on the running torch (2.13.0 in
+``make test``) against eager autograd of independent formulations, and against live nodes where
+the running torch has them (cdist / pdist first-order backward). ``make test-torch TORCH=2.14.1``
+checks them against 2.14's live nodes through the op_db conformance pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from vjpgen.runtime.helpers import HELPERS
+from vjpgen.runtime.helpers import nn as NN
+
+D, C = torch.float64, torch.complex128
+
+
+def _inner(a, b):
+    return (a.conj() * b).real.sum()
+
+
+@pytest.mark.parametrize("dtype", [D, C])
+@pytest.mark.parametrize("shape", [(3, 3), (5, 3), (2, 4, 4)])
+def test_linalg_polar_backward_matches_the_svd_formulation(dtype, shape):
+    A = torch.randn(*shape, dtype=dtype)
+    U, H = torch.linalg.polar(A) if hasattr(torch.linalg, "polar") else (None, None)
+
+    def polar_svd(a):  # A = W S Vh: U = W Vh, H = Vh^H S Vh
+        W, S, Vh = torch.linalg.svd(a, full_matrices=False)
+        return W @ Vh, Vh.mH @ (S.unsqueeze(-1).to(a.dtype) * Vh)
+
+    Ur, Hr = polar_svd(A)
+    if U is not None:
+        assert_close((U, H), (Ur, Hr))
+    gU, gH = torch.randn_like(Ur), torch.randn_like(Hr)
+    for gu, gh in ((gU, gH), (gU, None), (None, gH)):
+        a = A.clone().requires_grad_()
+        u, h = polar_svd(a)
+        loss = (_inner(gu, u) if gu is not None else 0) + (_inner(gh, h) if gh is not None else 0)
+        (want,) = torch.autograd.grad(loss, a)
+        assert_close(HELPERS["linalg_polar_backward"](gu, gh, A, Ur, Hr), want)
+    assert HELPERS["linalg_polar_backward"](None, None, A, Ur, Hr) is None
+
+
+@pytest.mark.parametrize("dtype", [D, C])
+def test_linalg_matrix_sqrth_differential_is_the_jvp_and_the_vjp(dtype):
+    n = 4
+    B = torch.randn(n, n, dtype=dtype)
+    A = B @ B.mH + n * torch.eye(n, dtype=dtype)
+
+    def sqrth(a):  # the principal square root through eigh (lower triangle)
+        lam, Q = torch.linalg.eigh(a)
+        return (Q * lam.sqrt().to(a.dtype).unsqueeze(-2)) @ Q.mH
+
+    E = torch.randn(n, n, dtype=dtype)
+    E = E + E.mH  # a Hermitian direction
+    _, dS = torch.func.jvp(sqrth, (A,), (E,))
+    f = HELPERS["linalg_matrix_sqrth_differential"]
+    assert_close(f(A, E), dS)
+    G = torch.randn(n, n, dtype=dtype)  # any cotangent: <G, dS[E]> == <vjp(G), E>
+    assert_close(_inner(G, dS), _inner(f(A, G), E))
+
+
+@pytest.mark.parametrize("drop", [None, "mean", "rstd", "both"])
+def test_native_group_norm_backward_dispatcher_matches_eager_group_norm(drop):
+    N, Cc, HxW, G, eps = 2, 6, 5, 3, 1e-5
+    x, w, b = torch.randn(N, Cc, HxW, dtype=D), torch.randn(Cc, dtype=D), torch.randn(Cc, dtype=D)
+
+    def group_norm(x, w, b):  # written out: every output differentiable wrt x
+        xg = x.reshape(N, G, -1)
+        mean = xg.mean(-1)
+        rstd = (xg.var(-1, unbiased=False) + eps).rsqrt()
+        y = ((xg - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape(N, Cc, HxW)
+        return y * w[:, None] + b[:, None], mean, rstd
+
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    y, mean, rstd = group_norm(*leaves)
+    dy, dmean, drstd = torch.randn_like(y), torch.randn_like(mean), torch.randn_like(rstd)
+    if drop in ("mean", "both"):
+        dmean = None
+    if drop in ("rstd", "both"):
+        drstd = None
+    outs = [(y, dy)] + [(o, g) for o, g in ((mean, dmean), (rstd, drstd)) if g is not None]
+    want = torch.autograd.grad([o for o, _ in outs], leaves, [g for _, g in outs])
+    got = HELPERS["native_group_norm_backward_dispatcher"](
+        dy, dmean, drstd, x, mean.detach(), rstd.detach(), w, N, Cc, HxW, G, (True, True, True)
+    )
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, 2.0, 3.0, 0.5, 1.5, float("inf")])
+def test_cdist_pdist_backward_values_match_the_live_first_order_nodes(p):
+    """The functions whose VJP ``_cdist_backward_backward`` / ``_pdist_backward_backward`` take
+    compute what the running torch's CdistBackward0 / PdistBackward0 compute."""
+    x1 = torch.randn(2, 4, 3, dtype=D, requires_grad=True)
+    x2 = torch.randn(2, 5, 3, dtype=D, requires_grad=True)
+    d = torch.cdist(x1, x2, p)
+    G = torch.randn_like(d)
+    live = d.grad_fn(G)
+    assert_close(NN._cdist_backward_value(G, x1.detach(), x2.detach(), p, d.detach()), live[0])
+    x = torch.randn(5, 3, dtype=D, requires_grad=True)
+    d = torch.nn.functional.pdist(x, p)
+    G = torch.randn_like(d)
+    assert_close(NN._pdist_backward_value(G, x.detach(), p, d.detach()), d.grad_fn(G))
+
+
+def test_cdist_backward_backward_is_the_vjp_of_the_first_order_backward():
+    x1, x2 = torch.randn(4, 3, dtype=D), torch.randn(5, 3, dtype=D)
+    d = torch.cdist(x1, x2)
+    G, gg = torch.randn_like(d), torch.randn_like(x1)
+    leaves = [t.clone().requires_grad_() for t in (G, x1, x2, d)]
+    want = torch.autograd.grad(NN._cdist_backward_value(leaves[0], leaves[1], leaves[2], 2.0, leaves[3]), leaves, gg)
+    got = HELPERS["_cdist_backward_backward"](gg, G, x1, x2, 2.0, d, (True, False, True, True))
+    assert got[1] is None
+    assert_close([got[i] for i in (0, 2, 3)], [want[i] for i in (0, 2, 3)])
+    assert HELPERS["_pdist_backward_backward"](None, G, x1, 2.0, d, (True, True, True)) == (None, None, None)
+
+
+def test_native_group_norm_backward_dispatcher_without_dY_under_no_grad_gives_zero_weight_grads():
+    """With grad mode off an undefined grad of the output counts as zero: dX from the stats' grads
+    alone, as eager autograd computes it, and zero (defined) grads of weight and bias."""
+    N, Cc, HxW, G = 2, 4, 3, 2
+    x, w = torch.randn(N, Cc, HxW, dtype=D), torch.randn(Cc, dtype=D)
+    xl = x.clone().requires_grad_()
+    xg = xl.reshape(N, G, -1)
+    mean, rstd = xg.mean(-1), (xg.var(-1, unbiased=False) + 1e-5).rsqrt()
+    dmean, drstd = torch.randn_like(mean), torch.randn_like(rstd)
+    (want,) = torch.autograd.grad([mean, rstd], [xl], [dmean, drstd])
+    with torch.no_grad():
+        dX, dw, db = HELPERS["native_group_norm_backward_dispatcher"](
+            None, dmean, drstd, x, mean.detach(), rstd.detach(), w, N, Cc, HxW, G, (True, True, True)
+        )
+    assert_close(dX, want)
+    assert_close((dw, db), (torch.zeros_like(w), torch.zeros_like(w)))

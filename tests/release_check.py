@@ -1,0 +1,112 @@
+"""``make test-torch TORCH=<release>``'s checks, run inside a throwaway venv holding that torch.
+
+1. the package the runtime regenerates for the installed torch (its cache, see
+   ``vjpgen.runtime.versions``), with the quick conformance pass that follows it;
+2. how many of its formulas translated;
+3. the op_db conformance (CPU, float64, every sample) against the live nodes, through the runtime;
+4. whether the native helper builds.
+
+Prints one row of README's release table and exits 1 on a mismatch, an unexpected error, an
+untranslated formula or a failed native build. (``make test-torch`` runs the demo after it.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from vjpgen import generated
+    from vjpgen.codegen.environment import installed_torch_version
+    from vjpgen.runtime import native, versions
+    from vjpgen.runtime.verify import ALLOWED, MISMATCHED, RAISED
+
+    from tests.conformance import run, summarize
+
+    release = installed_torch_version()
+    print(f"release check: torch {torch.__version__}; generated/ is for torch {generated.TORCH_VERSION}")
+    if not versions.is_supported(release):
+        print(versions.unsupported_message(release))
+        return 1
+    t0 = time.perf_counter()
+    name = versions.package_for_installed_torch(generated.__name__, generated.TORCH_VERSION)
+    import importlib
+
+    pkg = importlib.import_module(name)
+    folder = Path(pkg.__file__).parent
+    print(f"package: {name} at {folder} ({time.perf_counter() - t0:.0f}s with its verify pass)")
+    untranslated = sorted(
+        p.stem for p in folder.glob("*.py") if p.name != "__init__.py" and "TRANSLATED = False" in p.read_text()
+    )
+    modules = len(pkg.MODULES)
+    print(f"formulas: {modules - len(untranslated)} of {modules} node classes translated; untranslated: {untranslated}")
+    if name == generated.__name__:  # the committed package: no regeneration, no verify pass (make test checks it)
+        report = {"classes_reached": "-", "classes_verified": "-", "live_only": [], "seconds": 0}
+    else:
+        report = json.loads((folder / "verify.json").read_text())
+    print(
+        f"verify pass: {report['classes_reached']} classes reached, {report['classes_verified']} verified, "
+        f"live-only: {report['live_only']} ({report['seconds']}s)"
+    )
+    t1 = time.perf_counter()
+    results, _ = run(dtypes=("float64",))
+    s = summarize(results)
+    bad = sorted(
+        f"{n}: {reason}"
+        for n, r in results.items()
+        for reason in r.reasons
+        if reason.startswith(MISMATCHED) or (reason.startswith(RAISED) and not ALLOWED.search(reason))
+    )
+    print(f"op_db conformance (float64, all samples, {time.perf_counter() - t1:.0f}s): {json.dumps(s)}")
+    for line in bad[:20]:
+        print("  " + line)
+    clamp_ok = _clamp_ties_end_to_end()
+    t2 = time.perf_counter()
+    built = native.module() is not None
+    print(f"native helper: {'built' if built else 'NOT built'} ({time.perf_counter() - t2:.0f}s)")
+    print(
+        "\n| release | formulas translated | classes verified (quick pass) | live-only | op_db classes verified "
+        "| mismatches | native helper |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
+    print(
+        f"| {release} | {modules - len(untranslated)} / {modules} | {report['classes_verified']} / "
+        f"{report['classes_reached']} | {len(report['live_only'])} | {s['generated_classes_verified']} / "
+        f"{s['generated_classes_reached']} | {s[MISMATCHED]} | {'built' if built else 'not built'} |"
+    )
+    return 0 if not (bad or untranslated or not built or report["live_only"] or not clamp_ok) else 1
+
+
+def _clamp_ties_end_to_end() -> bool:
+    """Issue 17's case through the runtime: clamp with tensor bounds tied by x (2.14 splits the
+    gradient there), vjpgen's backward against eager's."""
+    import vjpgen.runtime as rt
+
+    def leaves():
+        x = torch.tensor([-2.0, -1.0, 0.0, 1.0, 2.0], dtype=torch.float64, requires_grad=True)
+        lo = torch.tensor(-1.0, dtype=torch.float64, requires_grad=True)
+        hi = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+        return x, lo, hi
+
+    want = leaves()
+    torch.clamp(*want).sum().backward()
+    got = leaves()
+    rt.backward(torch.clamp(*got).sum(), backend="aot_eager")
+    try:
+        torch.testing.assert_close([t.grad for t in got], [t.grad for t in want])
+    except AssertionError as e:
+        print(f"clamp with tied tensor bounds: MISMATCH with eager: {e}")
+        return False
+    print(f"clamp with tied tensor bounds: vjpgen = eager: x.grad {want[0].grad.tolist()}, "
+          f"min.grad {want[1].grad.item()}, max.grad {want[2].grad.item()}")
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
