@@ -31,7 +31,7 @@ demo-ddp: $(STAMP) generate
 	$(PY) -m vjpgen.runtime.demo_ddp
 
 coverage: $(STAMP)
-	$(PY) -m tests.conformance --out coverage
+	$(PY) -m tests.conformance --out coverage --compiled-autograd
 
 bench-generate: $(STAMP)
 	$(PY) bench/bench_generate.py
