@@ -283,7 +283,7 @@ class set_compiled_autograd_kernels:
     like ``torch.set_grad_enabled``. Affects backwards captured by compiled autograd from then on
     (``torch._dynamo.config.compiled_autograd = True`` under ``torch.compile``, or
     ``torch._dynamo.compiled_autograd._enable(compiler_fn)``); changing it clears compiled
-    autograd's graph cache. Grads keep the shapes and dtypes eager autograd gives. Classes that
+    autograd's graph cache, so set it once around a training loop, not around each backward. Grads keep the shapes and dtypes eager autograd gives. Classes that
     cannot use vjpgen's kernel keep torch's (see :func:`compiled_autograd_kernel_stats`).
     """
 
