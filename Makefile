@@ -40,6 +40,7 @@ bench: $(STAMP) bench-generate
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/bench_backward.py
 	$(PY) bench/bench_ddp.py
+	$(PY) bench/bench_ca_kernels.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
