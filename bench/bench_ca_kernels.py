@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="mlp,cnn,transformer,encoder6")
     ap.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     ap.add_argument("--rounds", type=int, default=3, help="scales the number of timed steady calls")
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1, as bench_backward.py)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     warm_up(a.backend)
