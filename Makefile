@@ -51,7 +51,7 @@ demo-ddp: $(STAMP) generate
 	$(PY) -m vjpgen.runtime.demo_ddp
 
 coverage: $(STAMP)
-	$(PY) -m tests.conformance --out coverage
+	$(PY) -m tests.conformance --out coverage --compiled-autograd
 
 bench-generate: $(STAMP)
 	$(PY) bench/bench_generate.py
@@ -60,6 +60,7 @@ bench: $(STAMP) bench-generate
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/bench_backward.py
 	$(PY) bench/bench_ddp.py
+	$(PY) bench/bench_ca_kernels.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

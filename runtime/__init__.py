@@ -1,7 +1,8 @@
 """vjpgen runtime: helpers the generated formulas call, graph capture and compilation.
 
 Public API (see README.md): :func:`call_functional`, :func:`backward`, :func:`grad`,
-:func:`compiled_autograd`, :func:`stats`, :func:`explain`.
+:func:`compiled_autograd`, :func:`stats`, :func:`explain`,
+:func:`set_compiled_autograd_kernels` (vjpgen's kernels inside torch's own compiled autograd).
 """
 
 from .versions import warn_if_unsupported as _warn_if_unsupported
@@ -12,6 +13,12 @@ from . import hooks as _hooks  # noqa: E402
 
 _hooks.install()
 
+from .ca_kernels import (  # noqa: E402
+    compiled_autograd_kernel_stats,
+    compiled_autograd_kernels_enabled,
+    reset_compiled_autograd_kernel_stats,
+    set_compiled_autograd_kernels,
+)
 from .api import backward, call_functional, clear_cache, compiled_autograd, grad  # noqa: E402
 from .explain import explain  # noqa: E402
 from .stats import reset_stats, stats  # noqa: E402
@@ -21,8 +28,12 @@ __all__ = [
     "call_functional",
     "clear_cache",
     "compiled_autograd",
+    "compiled_autograd_kernel_stats",
+    "compiled_autograd_kernels_enabled",
     "explain",
     "grad",
+    "reset_compiled_autograd_kernel_stats",
     "reset_stats",
+    "set_compiled_autograd_kernels",
     "stats",
 ]

@@ -10,6 +10,11 @@ default tolerance, NaN == NaN, dtypes must match).
 ``coverage/report.json``; the test suite runs :func:`run` over a fast subset. The walk and the
 per-node check live in :mod:`vjpgen.runtime.verify`, which also runs them after a package is
 generated for another torch release.
+
+``--compiled-autograd`` adds a second mode (:func:`run_compiled_autograd`): each sample's whole
+backward runs through torch's compiled autograd twice, with torch's C++ kernels and with vjpgen's
+(``vjpgen.runtime.set_compiled_autograd_kernels``), and the grads of the leaves are compared; each
+node class of the graph gets the graph's result.
 """
 
 from __future__ import annotations
@@ -19,22 +24,164 @@ import collections
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 from vjpgen.runtime.verify import (  # noqa: F401 - the harness core, shared with the runtime's verify pass
     DTYPES,
+    INTENDED_DIFFERENCES,
     MISMATCHED,
+    OVERRIDDEN,
     PASSED,
     RAISED,
     UNSUPPORTED,
     ClassResult,
     _flatten,
+    _short,
     check_node,
     run,
     walk,
 )
+
+
+def _leaf_grads_ca(outs, leaves, gos, vjpgen_kernels: bool):
+    """Grads of ``leaves`` through torch's compiled autograd (eager compiler: the captured graph
+    runs as is), with torch's kernels or vjpgen's."""
+    from torch._dynamo import compiled_autograd as ca
+
+    from vjpgen.runtime import set_compiled_autograd_kernels
+
+    with set_compiled_autograd_kernels(vjpgen_kernels), ca._enable(lambda gm: gm):
+        return torch.autograd.grad(outs, leaves, gos, retain_graph=True, allow_unused=True)
+
+
+def compare_ca(outs, leaves, gos) -> tuple[str, str]:
+    """(status, reason) of one backward: compiled autograd with torch's kernels vs vjpgen's."""
+    try:
+        expected = _leaf_grads_ca(outs, leaves, gos, False)
+    except Exception as e:  # compiled autograd itself cannot capture this graph
+        return UNSUPPORTED, f"compiled autograd with torch's kernels raised {_short(e)}"
+    try:
+        actual = _leaf_grads_ca(outs, leaves, gos, True)
+    except Exception as e:
+        return RAISED, _short(e)
+    for j, (a, b) in enumerate(zip(actual, expected)):
+        if (a is None) != (b is None):
+            return MISMATCHED, f"leaf {j}: grad {'missing' if a is None else 'where torch has none'}"
+        if a is None:
+            continue
+        try:
+            torch.testing.assert_close(a, b, equal_nan=True)
+        except AssertionError as e:
+            return MISMATCHED, f"leaf {j}: " + " ".join(str(e).split())[:400]
+    return PASSED, ""
+
+
+def run_compiled_autograd(op_names=None, dtypes=("float64",), max_samples=2, log=None):
+    """The compiled-autograd mode: {node class: ClassResult} over the samples' whole backwards.
+
+    Every node class of a graph gets that graph's status; a graph that reaches a class of
+    :data:`INTENDED_DIFFERENCES` is not compared (its classes are marked ``overridden``).
+    """
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from vjpgen.runtime import compiled_autograd_kernel_stats, reset_compiled_autograd_kernel_stats
+
+    reset_compiled_autograd_kernel_stats()
+    results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
+    for op in op_db:
+        if not op.supports_autograd:
+            continue
+        label = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}"
+        if op_names is not None and label not in op_names and op.name not in op_names:
+            continue
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            if dtype not in op.supported_dtypes("cpu"):
+                continue
+            try:
+                samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))[:max_samples]
+            except Exception:
+                continue
+            for s in samples:
+                torch.manual_seed(0)
+                leaves = [t for t in _flatten([s.input, list(s.args), s.kwargs])
+                          if isinstance(t, torch.Tensor) and t.requires_grad and t.layout == torch.strided]
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        out = op(s.input, *s.args, **s.kwargs)
+                except Exception:
+                    continue
+                outs = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+                        and t.layout == torch.strided and (t.dtype.is_floating_point or t.dtype.is_complex)]
+                if not outs or not leaves:
+                    continue
+                names = {type(n).__name__ for n in walk([o.grad_fn for o in outs])} - {"AccumulateGrad"}
+                gen = torch.Generator().manual_seed(0)
+                gos = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs]
+                if names & set(INTENDED_DIFFERENCES):
+                    status, reason = OVERRIDDEN, "the graph holds " + ", ".join(sorted(names & set(INTENDED_DIFFERENCES)))
+                else:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        status, reason = compare_ca(outs, leaves, gos)
+                for name in names:
+                    r = results[name]
+                    r.tried += 1
+                    r.ops.add(label)
+                    r.counts[status] += 1
+                    if reason:
+                        r.reasons[f"{status}: {reason}"] += 1
+                if log and status in (MISMATCHED, RAISED):
+                    log(f"{status:10} {label} {dname}: {reason}")
+    torch._C._dynamo.compiled_autograd.clear_cache()
+    return dict(results), compiled_autograd_kernel_stats()
+
+
+def ca_report_lines(results, kernel_stats, seconds: float, max_samples: int) -> list[str]:
+    """The REPORT.md section of the compiled-autograd mode: every reached class with its result."""
+    tot = collections.Counter()
+    for r in results.values():
+        tot.update(r.counts)
+    kept = kernel_stats["torch_kernel"]
+    lines = [
+        "",
+        "## Compiled autograd: torch's kernels vs vjpgen's",
+        "",
+        f"`make coverage` (`--compiled-autograd`, {seconds:.0f} s): the first {max_samples} float64 CPU samples of "
+        "every OpInfo that supports autograd, each sample's whole backward run through torch's compiled "
+        "autograd (eager compiler) twice, with torch's C++ kernels and with vjpgen's "
+        "(`set_compiled_autograd_kernels(True)`), leaf grads compared with `torch.testing.assert_close`. "
+        "A class gets the result of every graph it is in. A subset (2 samples, float64) because two "
+        "captures per sample over the whole db do not fit the 2 shared cores of the machine.",
+        "",
+        "| node classes reached | graphs x classes | passed | mismatched | raised | unsupported | overridden "
+        "| classes bound to vjpgen's kernel | classes that kept torch's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {len(results)} | {sum(tot.values())} | {tot[PASSED]} | {tot[MISMATCHED]} | {tot[RAISED]} | "
+        f"{tot[UNSUPPORTED]} | {tot[OVERRIDDEN]} | {len(kernel_stats['vjpgen'])} | {len(kept)} |",
+        "",
+        "*Unsupported*: compiled autograd with torch's own kernels cannot capture that graph. "
+        "*Overridden*: the graph holds a class the repo's derivatives.yaml changes on purpose.",
+        "",
+        "| node class | graphs | passed | mismatched | raised | unsupported | overridden | kernel | top reason |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in sorted(results.items()):
+        c = r.counts
+        reason = (r.reasons.most_common(1)[0][0] if r.reasons else "").replace("|", "\\|")
+        kernel = "torch's" if name in kept else ("vjpgen" if name in kernel_stats["vjpgen"] else "-")
+        lines.append(
+            f"| {name} | {r.tried} | {c[PASSED]} | {c[MISMATCHED]} | {c[RAISED]} | {c[UNSUPPORTED]} | "
+            f"{c[OVERRIDDEN]} | {kernel} | {reason[:200]} |"
+        )
+    if kept:
+        lines += ["", "Classes that kept torch's kernel: " + ", ".join(
+            f"{n} ({kernel_stats['reasons'].get(n, '')})" for n in sorted(kept))]
+    return lines
 
 
 def _verified(r: ClassResult) -> bool:
@@ -54,11 +201,11 @@ def summarize(results) -> dict:
         "generated_classes_reached": len(generated),
         "generated_classes_verified": sum(_verified(results[n]) for n in generated),
         "node_checks": sum(tot.values()),
-        **{k: tot[k] for k in (PASSED, MISMATCHED, RAISED, UNSUPPORTED)},
+        **{k: tot[k] for k in (PASSED, MISMATCHED, RAISED, UNSUPPORTED, OVERRIDDEN)},
     }
 
 
-def write_report(results, op_errors, out: Path, seconds: float) -> dict:
+def write_report(results, op_errors, out: Path, seconds: float, extra_lines=None, extra_json=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
     data = {
@@ -74,6 +221,7 @@ def write_report(results, op_errors, out: Path, seconds: float) -> dict:
             for name, r in sorted(results.items())
         },
         "op_errors": op_errors,
+        **(extra_json or {}),
     }
     (out / "report.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     lines = [
@@ -113,6 +261,7 @@ def write_report(results, op_errors, out: Path, seconds: float) -> dict:
     lines.append(", ".join(
         f"{n} ({r.counts[PASSED]})" for n, r in sorted(results.items()) if _verified(r)
     ))
+    lines += extra_lines or []
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
     return summary
 
@@ -124,11 +273,27 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--compiled-autograd", action="store_true",
+                   help="also run the compiled-autograd mode (torch's kernels vs vjpgen's)")
+    p.add_argument("--ca-max-samples", type=int, default=2)
     a = p.parse_args(argv)
     t0 = time.time()
     log = (lambda s: print(s, file=sys.stderr)) if a.verbose else None
     results, errs = run(a.ops, a.dtypes, a.max_samples, log)
-    summary = write_report(results, errs, a.out, time.time() - t0)
+    seconds = time.time() - t0
+    extra, extra_json = None, None
+    if a.compiled_autograd:
+        t1 = time.time()
+        ca_results, kstats = run_compiled_autograd(a.ops, ("float64",), a.ca_max_samples, log)
+        extra = ca_report_lines(ca_results, kstats, time.time() - t1, a.ca_max_samples)
+        extra_json = {"compiled_autograd": {
+            "classes": {n: {k: r.counts[k] for k in (PASSED, MISMATCHED, RAISED, UNSUPPORTED, OVERRIDDEN)}
+                        for n, r in sorted(ca_results.items())},
+            "kernels": kstats,
+        }}
+        bad = sum(r.counts[MISMATCHED] + r.counts[RAISED] for r in ca_results.values())
+        print(json.dumps({"compiled_autograd_classes": len(ca_results), "mismatched_or_raised": bad}))
+    summary = write_report(results, errs, a.out, seconds, extra, extra_json)
     print(json.dumps(summary))
     return 0
 

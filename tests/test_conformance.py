@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conformance import MISMATCHED, RAISED, run, summarize
+import tests.conformance as conformance
+from tests.conformance import MISMATCHED, OVERRIDDEN, PASSED, RAISED, run, run_compiled_autograd, summarize
 from vjpgen.runtime.verify import ALLOWED
 
 
@@ -45,3 +46,34 @@ def test_most_reached_classes_are_verified(results):
     s = summarize(results)
     assert s["node_classes_reached"] > 300
     assert s["node_classes_verified"] >= 0.95 * s["node_classes_reached"], s
+
+
+# The compiled-autograd mode over a slice of ops (the full db runs in `make coverage`).
+CA_SLICE = [
+    "mul", "mm", "addmm", "cat", "stack", "sum", "mean", "as_strided", "index_put", "tanh", "sigmoid",
+    "nn.functional.conv2d", "nn.functional.layer_norm", "nn.functional.softmax", "nn.functional.gelu",
+    "nn.functional.embedding", "nn.functional.cross_entropy", "max_pool2d_with_indices_backward", "split",
+    "transpose", "expand", "where", "clamp", "pow", "div", "to", "select", "gather", "cumsum", "round",
+]
+
+
+@pytest.mark.timeout(300)
+def test_compiled_autograd_mode_slice():
+    res, kstats = run_compiled_autograd(CA_SLICE, max_samples=1)
+    bad = [f"{n}: {r.reasons.most_common(1)}" for n, r in sorted(res.items()) if r.counts[MISMATCHED] or r.counts[RAISED]]
+    assert not bad, "\n".join(bad)
+    assert sum(r.counts[PASSED] for r in res.values()) > 30
+    assert len(res) >= 25, sorted(res)
+    assert res["RoundBackward0"].counts[OVERRIDDEN] >= 1
+    # every reached class with a generated module ran vjpgen's kernel
+    from vjpgen.generated import MODULES
+
+    compared = {n for n, r in res.items() if n in MODULES and r.counts[PASSED]}
+    assert compared <= set(kstats["vjpgen"]), kstats["torch_kernel"]
+
+
+def test_compiled_autograd_mode_reports_a_different_formula(monkeypatch):
+    """Without its INTENDED_DIFFERENCES entry the round override is a mismatch: the mode compares."""
+    monkeypatch.setattr(conformance, "INTENDED_DIFFERENCES", {})
+    res, _ = run_compiled_autograd(["round"], max_samples=1)
+    assert res["RoundBackward0"].counts[MISMATCHED] >= 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from tests.conformance import _flatten
+from tests.conformance import INTENDED_DIFFERENCES, _flatten, walk
 
 
 def _cases():
@@ -51,6 +51,8 @@ def test_grad_matches_torch_autograd_on_opinfo_samples():
                 ]
                 if not outs or not leaves:
                     continue
+                if any(type(n).__name__ in INTENDED_DIFFERENCES for n in walk([o.grad_fn for o in outs])):
+                    continue  # an override in the repo's derivatives.yaml: checked in test_override_round.py
                 gen = torch.Generator().manual_seed(0)
                 gos = [
                     torch.randn(o.shape, dtype=o.dtype, generator=gen) if o.layout == torch.strided
