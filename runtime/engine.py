@@ -270,7 +270,8 @@ class NodeInfo:
 
 class Region:
     __slots__ = (
-        "nodes", "in_slots", "out_slots", "out_replace", "cache", "label", "index", "drop_in", "fast", "fast_keys",
+        "nodes", "in_slots", "out_slots", "out_replace", "out_dest", "cache", "label", "index", "drop_in", "fast",
+        "fast_keys",
     )
 
     def __init__(self, index, nodes):
@@ -279,6 +280,7 @@ class Region:
         self.in_slots = []
         self.out_slots = []
         self.out_replace = []
+        self.out_dest = []  # per out slot: (node index, input nr) whose input metadata the grad must have
         self.drop_in = []  # in_slots nothing reads after this region: dropped before its call
         self.label = f"region {index}"
         self.cache = RegionCache(self.label)
@@ -509,13 +511,16 @@ def _partition(p: Plan) -> None:
         step.in_slots = ins
         consumed_set = set(consumed)
         outs = []
+        dests = []
         for i in step.nodes:
-            for (_, s, d, _) in infos[i].out:
+            for (_, s, d, nr) in infos[i].out:
                 if s in outs:
                     continue
                 if d not in members or s in sink_slots:
                     outs.append(s)
+                    dests.append((d, nr))
         step.out_slots = outs
+        step.out_dest = dests
         step.out_replace = [s in consumed_set and s in ins for s in outs]
         step.drop_in = [s for s in ins if s not in sink_slots and s not in outs]
     p.steps = steps
@@ -886,6 +891,8 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         buf[s] = None
     outs = compiled.fn(compiled.args(T, I))  # boxed: the callee empties the list
     del T
+    if compiled.conform is not False:
+        _conform_outputs(region, plan, compiled, outs, metas)
     aliases = compiled.aliases
     k = 0
     for s, present, replace in zip(region.out_slots, compiled.present, region.out_replace):
@@ -902,6 +909,33 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         else:
             buf[s] = buf[s] + g
     return True
+
+
+def _conform_outputs(region: Region, plan: Plan, compiled, outs: list, metas) -> None:
+    """Give each grad leaving a compiled region the dtype, shape and device that eager's
+    ``validate_outputs`` gives the input metadata it flows into (in place in ``outs``).
+
+    The traced graph already validates every grad, but a backend may still return another dtype
+    than the graph it compiled says (Inductor returned complex128 for a complex64 ``angle``
+    backward that multiplies by ``1j``). Dtype and device of each output are fixed for a compiled
+    graph (they are part of its cache key), so the first call checks them and later calls skip the
+    check unless that call had to fix something."""
+    infos = plan.infos
+    fixed = False
+    k = 0
+    for present, (d, nr) in zip(compiled.present, region.out_dest):
+        if not present:
+            continue
+        g = outs[k]
+        m = metas[d][nr]
+        if g.dtype != m.dtype or g.device != m.device or tuple(g.shape) != tuple(m.shape):
+            outs[k] = capture.validate_grad(g, m.shape, m.dtype, m.device, f"for input {nr} of {infos[d].name}")
+            fixed = True
+        k += 1
+    if fixed:
+        log.debug("vjpgen: %s: the compiled graph returned grads of other metadata than eager's; "
+                  "they are converted on every call", region.label)
+    compiled.conform = fixed or compiled.conform is True
 
 
 def _zeros_for(m):
@@ -1055,6 +1089,8 @@ def _stealable(grad, var, ctx: CallContext) -> bool:
 
 
 def _clone_obey_contract(grad, var):
+    if grad.layout != torch.strided:  # a sparse grad (embedding's) is kept sparse, as AccumulateGrad does
+        return grad.clone()
     if _non_overlapping_and_dense(var):
         return torch.empty_strided(var.shape, var.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
     return grad.clone(memory_format=torch.contiguous_format)
