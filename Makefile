@@ -28,7 +28,7 @@ demo: $(STAMP) generate
 	$(PY) -m vjpgen.runtime.demo
 
 coverage: $(STAMP)
-	$(PY) -m tests.conformance --out coverage
+	$(PY) -m tests.conformance --out coverage --edges
 
 bench-generate: $(STAMP)
 	$(PY) bench/bench_generate.py
