@@ -56,6 +56,18 @@ def test_dtype_0d_complex64_angle(backend):
     assert_close(ours[0], eager[0])
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_det_of_a_zero_1x1_matrix(backend):
+    # issue 18 case 1: the compiled region runs linalg_det_backward with grad mode off, where the
+    # port solved with an eps-perturbed LU and gave 0; eager gives 1
+    def make():
+        a = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
+        return [a], torch.det(a)
+
+    eager, ours = _both(make, backend)
+    assert_close(ours[0], eager[0])
+
+
 def _mixed_dtypes():
     torch.manual_seed(0)
     a = torch.randn(3, requires_grad=True)
