@@ -6,8 +6,15 @@ graph and compare ``call_functional(node, grads)`` with the live ``node(*grads)`
 grads shaped by ``node._input_metadata`` (``torch.testing.assert_close`` at the dtype's
 default tolerance, NaN == NaN, dtypes must match).
 
-``python -m tests.conformance --out coverage`` writes ``coverage/REPORT.md`` and
-``coverage/report.json``; the test suite runs :func:`run` over a fast subset.
+:func:`run_edges` is the edge-value run: each sample again with its floating/complex tensors
+replaced by values where formulas branch (:data:`EDGE_VARIANTS`: zeros, ties, integer and
+half-integer floats, +-inf/nan, subnormal and huge magnitudes, 0 and the complex axes,
+rank-deficient and identity matrices), also in complex64, float16 and bfloat16, judged the same way
+(eager's NaN is the oracle). :data:`EDGE_SKIP` lists what it leaves out and why.
+
+``python -m tests.conformance --out coverage [--edges]`` writes ``coverage/REPORT.md`` and
+``coverage/report.json`` (the edge run as its own section); the test suite runs :func:`run` over
+float64 and :func:`run_edges` over a fast slice.
 """
 
 from __future__ import annotations
@@ -248,6 +255,13 @@ EDGE_VARIANTS = {
 }
 
 
+# (OpInfo name, variant) pairs the edge run leaves out, with the reason (listed in REPORT.md)
+EDGE_SKIP = {
+    ("nn.functional.grid_sample", "nonfinite"): "the live GridSampler2DBackward0 node itself segfaults on a "
+    "nan grid with padding_mode='reflection' (torch 2.13 CPU), so there is no oracle",
+}
+
+
 def _edge_map(x, f, hit: list):
     """``x`` (a sample's input/args/kwargs) with ``f`` applied to each dense floating/complex tensor."""
     if isinstance(x, torch.Tensor):
@@ -315,8 +329,9 @@ def run_edges(op_names=None, dtypes=tuple(EDGE_DTYPES), max_samples=None, varian
                 continue
             if max_samples is not None:
                 samples = samples[:max_samples]
+            skip = {v for (o, v) in EDGE_SKIP if o in (label, op.name)}
             for s in samples:
-                for vname, es in edge_samples(s, variants):
+                for vname, es in edge_samples(s, [v for v in variants or EDGE_VARIANTS if v not in skip]):
                     check_sample(op, label, dname, es, results, gen, log, tag=f"{vname} {dname}")
     return dict(results), op_errors
 
@@ -388,7 +403,9 @@ def _edge_section(edge: dict) -> list:
         + " (see `EDGE_VARIANTS` in `tests/conformance.py`), still judged against the live C++ node with "
         "`torch.testing.assert_close(..., equal_nan=True)`: eager's NaN and inf are the oracle. 0-d and "
         "zero-size tensors come from the OpInfo samples themselves. A variant the forward rejects (e.g. a "
-        "Cholesky of a singular matrix) is skipped.",
+        "Cholesky of a singular matrix) is skipped. Left out: "
+        + "; ".join(f"*{v}* of `{o}` ({r})" for (o, v), r in sorted(EDGE_SKIP.items()))
+        + ".",
         "",
         "| run | node classes reached | verified | of them with a generated module: reached | verified "
         "| node checks | passed | mismatched | raised | unsupported |",

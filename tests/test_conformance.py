@@ -1,4 +1,5 @@
-"""Every node reached by torch's OpInfo samples (CPU, float64) against the live C++ node.
+"""Every node reached by torch's OpInfo samples (CPU, float64) against the live C++ node, and a
+fast slice of the edge-value run (``tests.conformance.run_edges``).
 
 The fast subset of ``make coverage``: all OpInfos that support autograd, float64 only. Fails on
 any mismatch, and on any error that is not one of the documented limits (upstream
