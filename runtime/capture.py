@@ -146,7 +146,7 @@ def validate_grad(grad: torch.Tensor, shape, dtype, device, what: str = "") -> t
     if grad.dtype != dtype:
         grad = grad.to(dtype)
     if grad.device != device:
-        if grad.dim() == 0 and grad.device.type == "cpu":
+        if grad.dim() == 0:  # eager moves any 0-d grad to its input's device (not only a CPU one)
             grad = grad.to(device)
         else:
             raise RuntimeError(

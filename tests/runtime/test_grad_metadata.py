@@ -197,3 +197,25 @@ def test_device_other_than_the_input_raises_like_eager():
         with rt.compiled_autograd(backend=backend):
             (y * 2).exp().sum().backward()
     assert y.grad is None
+
+
+def test_device_of_a_0d_grad_moved_like_eager():
+    # eager's validate_outputs moves a 0-d grad from any device to its input's: from `meta` that
+    # copy fails, under eager and vjpgen alike (not vjpgen's own device error)
+    class Elsewhere0d(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.zeros((), device="meta")
+
+    x = torch.randn((), requires_grad=True)
+    with pytest.raises(NotImplementedError, match="meta") as eager_err:
+        Elsewhere0d.apply(x).backward()
+    backend = _distorting(lambda g: torch.zeros((), device="meta") if g.dim() == 0 else g)
+    y = torch.randn((), requires_grad=True)
+    with pytest.raises(type(eager_err.value), match="meta"):
+        with rt.compiled_autograd(backend=backend):
+            (y * 2).exp().backward()
