@@ -238,6 +238,18 @@ def _complex_axes(t: torch.Tensor):
     return _cycle(t, [0, 1, 1j, -1, -1j]) * x  # 0, and the positive/negative real and imaginary axes
 
 
+def _empty(t: torch.Tensor):
+    if t.dim() == 0 or t.shape[0] == 0:
+        return None
+    return t[:0].clone()  # zero-size along dim 0 (every tensor of the sample alike)
+
+
+def _zero_dim(t: torch.Tensor):
+    if t.dim() == 0 or t.numel() == 0:
+        return None
+    return t.reshape(-1)[0].clone()  # 0-d
+
+
 # name -> f(values) -> new values or None (the variant does not apply to that tensor)
 EDGE_VARIANTS = {
     "zeros": torch.zeros_like,
@@ -252,6 +264,8 @@ EDGE_VARIANTS = {
     "complex_axes": _complex_axes,
     "rank_deficient": _rank_deficient,
     "identity": _identity,
+    "empty": _empty,
+    "zero_dim": _zero_dim,
 }
 
 
@@ -259,6 +273,18 @@ EDGE_VARIANTS = {
 EDGE_SKIP = {
     ("nn.functional.grid_sample", "nonfinite"): "the live GridSampler2DBackward0 node itself segfaults on a "
     "nan grid with padding_mode='reflection' (torch 2.13 CPU), so there is no oracle",
+    **{
+        ("_segment_reduce", v): "the sample's lengths/offsets index the data tensor; made zero-size or 0-d, "
+        "torch's kernel reads out of bounds (segfault)"
+        for v in ("empty", "zero_dim")
+    },
+    ("nn.functional.pdist", "empty"): "the live PdistBackward node itself segfaults on an input with zero rows",
+    **{
+        (name, "empty"): "torch's own CPU batch norm kernel divides by zero (SIGFPE) on a zero-size input"
+        for name in (
+            "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "nn.functional.batch_norm",
+        )
+    },
 }
 
 
