@@ -28,7 +28,7 @@ demo: $(STAMP) generate
 	$(PY) -m vjpgen.runtime.demo
 
 coverage: $(STAMP)
-	$(PY) -m tests.conformance --out coverage --edges --edge-max-samples 4
+	$(PY) -m tests.conformance --out coverage --edges --edge-max-samples 2
 
 bench-generate: $(STAMP)
 	$(PY) bench/bench_generate.py
