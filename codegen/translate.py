@@ -267,6 +267,20 @@ class _Lowerer:
             return ast.Compare(left=l, ops=[cmp[op]], comparators=[r])
         if op == "/" and self.typ(l) == "int" and self.typ(r) == "int":
             return ast.BinOp(left=l, op=ast.FloorDiv(), right=r)  # C++ integer division
+        if (
+            op in ("-", "/")
+            and self.typ(r) == "tensor"
+            and self.typ(l) in ("scalar", "int", "float")
+            and not isinstance(l, ast.Constant)
+        ):
+            # C++ ``Scalar - Tensor`` / ``Scalar / Tensor`` fill a tensor like the right operand
+            # with the scalar (rounded to its dtype) and subtract / divide; Python's rsub / rdiv
+            # keep the scalar in double (rdiv: reciprocal, then multiply), which rounds otherwise
+            # in float16/bfloat16. A literal constant (1, 0.5) is exact in every float dtype.
+            helper = "scalar_sub_tensor" if op == "-" else "scalar_div_tensor"
+            if helper in self.helpers_set:
+                self.used_helpers.add(helper)
+                return self.call(self.name(helper), [l, r])
         bins = {
             "+": ast.Add(),
             "-": ast.Sub(),

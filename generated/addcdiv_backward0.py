@@ -17,7 +17,7 @@ Saved values torch does not expose to Python:
 import torch
 
 from vjpgen.runtime import state as _state
-from vjpgen.runtime.helpers import handle_r_to_c
+from vjpgen.runtime.helpers import handle_r_to_c, scalar_div_tensor
 
 NAME = "AddcdivBackward0"
 INPUTS = ("self", "tensor1", "tensor2")
@@ -62,7 +62,7 @@ def apply_functional(
         grad_inputs[0] = handle_r_to_c(self_scalar_type, grad) if any_grad_defined else None
     if needs_input_grad[1]:  # tensor1
         grad_inputs[1] = (
-            handle_r_to_c(tensor1_scalar_type, grad * (value / tensor2).conj())
+            handle_r_to_c(tensor1_scalar_type, grad * scalar_div_tensor(value, tensor2).conj())
             if any_grad_defined
             else None
         )

@@ -70,6 +70,7 @@ class Compiled:
 
     __slots__ = (
         "fn", "present", "guard", "guard_src", "gm", "dyn_ints", "n_tensors", "dynamic", "hits", "aliases", "keep",
+        "conform",
     )
 
     def __init__(
@@ -89,6 +90,9 @@ class Compiled:
         self.hits = 0
         # positions in T of the tensors the graph reads (None: all); the others are not passed
         self.keep = keep
+        # outputs checked against the input metadata eager's validate_outputs uses: None until the
+        # first call, then False (they matched) or True (convert them on every call)
+        self.conform = None
 
     def args(self, T: list, I: list) -> list:
         """The argument list of :attr:`fn`: the tensors of ``T`` the graph reads, then the dynamic

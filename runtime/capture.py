@@ -146,7 +146,7 @@ def validate_grad(grad: torch.Tensor, shape, dtype, device, what: str = "") -> t
     if grad.dtype != dtype:
         grad = grad.to(dtype)
     if grad.device != device:
-        if grad.dim() == 0 and grad.device.type == "cpu":
+        if grad.dim() == 0:  # eager moves any 0-d grad to its input's device (not only a CPU one)
             grad = grad.to(device)
         else:
             raise RuntimeError(
@@ -240,7 +240,7 @@ def prune_unused_inputs(gm: torch.fx.GraphModule, n_tensors: int):
 def output_aliases(gm: torch.fx.GraphModule) -> list:
     """Per output of a traced graph: whether it shares storage with a graph input (an input
     returned as it is, or a view of one), from the fake tensors make_fx recorded. An output
-    without a recorded value counts as aliasing (the safe answer)."""
+    without a recorded value, or a sparse one, counts as aliasing (the safe answer)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     inputs = set()
@@ -255,7 +255,12 @@ def output_aliases(gm: torch.fx.GraphModule) -> list:
     res = []
     for a in out_args:
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-        res.append(not isinstance(v, torch.Tensor) or StorageWeakRef(v.untyped_storage()) in inputs)
+        # a sparse output (embedding's sparse grad) has no storage to compare: counts as aliasing
+        res.append(
+            not isinstance(v, torch.Tensor)
+            or v.layout != torch.strided
+            or StorageWeakRef(v.untyped_storage()) in inputs
+        )
     return res
 
 

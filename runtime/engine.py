@@ -458,6 +458,8 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         buf[s] = None
     outs = compiled.fn(compiled.args(T, I))  # boxed: the callee empties the list
     del T
+    if compiled.conform is not False:
+        _conform_outputs(region, plan, compiled, outs, metas)
     aliases = compiled.aliases
     k = 0
     for s, present, replace in zip(region.out_slots, compiled.present, region.out_replace):
@@ -474,6 +476,33 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
         else:
             buf[s] = buf[s] + g
     return True
+
+
+def _conform_outputs(region: Region, plan: Plan, compiled, outs: list, metas) -> None:
+    """Give each grad leaving a compiled region the dtype, shape and device that eager's
+    ``validate_outputs`` gives the input metadata it flows into (in place in ``outs``).
+
+    The traced graph already validates every grad, but a backend may still return another dtype
+    than the graph it compiled says (Inductor returned complex128 for a complex64 ``angle``
+    backward that multiplies by ``1j``). Dtype and device of each output are fixed for a compiled
+    graph (they are part of its cache key), so the first call checks them and later calls skip the
+    check unless that call had to fix something."""
+    infos = plan.infos
+    fixed = False
+    k = 0
+    for present, (d, nr) in zip(compiled.present, region.out_dest):
+        if not present:
+            continue
+        g = outs[k]
+        m = metas[d][nr]
+        if g.dtype != m.dtype or g.device != m.device or tuple(g.shape) != tuple(m.shape):
+            outs[k] = capture.validate_grad(g, m.shape, m.dtype, m.device, f"for input {nr} of {infos[d].name}")
+            fixed = True
+        k += 1
+    if fixed:
+        log.debug("vjpgen: %s: the compiled graph returned grads of other metadata than eager's; "
+                  "they are converted on every call", region.label)
+    compiled.conform = fixed or compiled.conform is True
 
 
 def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):

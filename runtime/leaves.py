@@ -67,6 +67,8 @@ def _stealable(grad, var, ctx: "CallContext") -> bool:
 
 
 def _clone_obey_contract(grad, var):
+    if grad.layout != torch.strided:  # a sparse grad (embedding's) is kept sparse, as AccumulateGrad does
+        return grad.clone()
     if _non_overlapping_and_dense(var):
         return torch.empty_strided(var.shape, var.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
     return grad.clone(memory_format=torch.contiguous_format)

@@ -66,7 +66,8 @@ class NodeInfo:
 
 class Region:
     __slots__ = (
-        "nodes", "in_slots", "out_slots", "out_replace", "cache", "label", "index", "drop_in", "fast", "fast_keys",
+        "nodes", "in_slots", "out_slots", "out_replace", "out_dest", "cache", "label", "index", "drop_in", "fast",
+        "fast_keys",
     )
 
     def __init__(self, index, nodes):
@@ -75,6 +76,7 @@ class Region:
         self.in_slots = []
         self.out_slots = []
         self.out_replace = []
+        self.out_dest = []  # per out slot: (node index, input nr) whose input metadata the grad must have
         self.drop_in = []  # in_slots nothing reads after this region: dropped before its call
         self.label = f"region {index}"
         self.cache = RegionCache(self.label)
@@ -380,13 +382,16 @@ def _partition(p: Plan) -> None:
         step.in_slots = ins
         consumed_set = set(consumed)
         outs = []
+        dests = []
         for i in step.nodes:
-            for (_, s, d, _) in infos[i].out:
+            for (_, s, d, nr) in infos[i].out:
                 if s in outs:
                     continue
                 if d not in members or s in sink_slots:
                     outs.append(s)
+                    dests.append((d, nr))
         step.out_slots = outs
+        step.out_dest = dests
         step.out_replace = [s in consumed_set and s in ins for s in outs]
         step.drop_in = [s for s in ins if s not in sink_slots and s not in outs]
     p.steps = steps

@@ -148,6 +148,42 @@ def check_node(node, gen, drop: int | None = None, get_module=None) -> tuple[str
     return PASSED, ""
 
 
+def check_sample(op, label, dname, s, results, gen, log=None, tag="", get_module=None):
+    """Run ``op`` on sample ``s`` and check every node of its graph against the live node, adding to
+    ``results`` ({node class: ClassResult}); ``tag`` names an edge variant in the reasons and log."""
+    torch.manual_seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = op(s.input, *s.args, **s.kwargs)
+    except Exception:
+        return  # the forward itself rejects this sample
+    roots = [t.grad_fn for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for node in walk(roots):
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            continue
+        r = results[name]
+        r.tried += 1
+        r.ops.add(label)
+        # all grads defined, then (multi-output nodes) each grad undefined in turn
+        drops = [None] + (list(range(len(node._input_metadata))) if len(node._input_metadata) > 1 else [])
+        for drop in drops:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                status, reason = check_node(node, gen, drop, get_module)
+            if drop is not None:
+                r.tried += 1
+                reason = f"{reason} [grad {drop} undefined]" if reason else reason
+            if tag and reason:
+                reason = f"{reason} [{tag}]"
+            r.counts[status] += 1
+            if reason:
+                r.reasons[f"{status}: {reason}"] += 1
+            if log and status in (MISMATCHED, RAISED):
+                log(f"{status:10} {name:40} {label} {dname}{' ' + tag if tag else ''}: {reason}")
+
+
 def run(op_names=None, dtypes=("float64", "float32", "complex128"), max_samples=None, log=None, get_module=None):
     """Run the harness over op_db (CPU); returns {node class: ClassResult} and a list of per-op errors."""
     from torch.testing._internal.common_methods_invocations import op_db
@@ -175,35 +211,7 @@ def run(op_names=None, dtypes=("float64", "float32", "complex128"), max_samples=
                 op_errors.append(f"{label} {dname}: sample_inputs raised {_short(e)}")
                 continue
             for s in samples:
-                torch.manual_seed(0)
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        out = op(s.input, *s.args, **s.kwargs)
-                except Exception:
-                    continue  # the forward itself rejects this sample
-                roots = [t.grad_fn for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-                for node in walk(roots):
-                    name = type(node).__name__
-                    if name == "AccumulateGrad":
-                        continue
-                    r = results[name]
-                    r.tried += 1
-                    r.ops.add(label)
-                    # all grads defined, then (multi-output nodes) each grad undefined in turn
-                    drops = [None] + (list(range(len(node._input_metadata))) if len(node._input_metadata) > 1 else [])
-                    for drop in drops:
-                        with warnings.catch_warnings():
-                            warnings.simplefilter("ignore")
-                            status, reason = check_node(node, gen, drop, get_module)
-                        if drop is not None:
-                            r.tried += 1
-                            reason = f"{reason} [grad {drop} undefined]" if reason else reason
-                        r.counts[status] += 1
-                        if reason:
-                            r.reasons[f"{status}: {reason}"] += 1
-                        if log and status in (MISMATCHED, RAISED):
-                            log(f"{status:10} {name:40} {label} {dname}: {reason}")
+                check_sample(op, label, dname, s, results, gen, log, get_module=get_module)
     return dict(results), op_errors
 
 

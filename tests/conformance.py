@@ -6,12 +6,19 @@ graph and compare ``call_functional(node, grads)`` with the live ``node(*grads)`
 grads shaped by ``node._input_metadata`` (``torch.testing.assert_close`` at the dtype's
 default tolerance, NaN == NaN, dtypes must match).
 
-``python -m tests.conformance --out coverage`` writes ``coverage/REPORT.md`` and
-``coverage/report.json``; the test suite runs :func:`run` over a fast subset. The walk and the
-per-node check live in :mod:`vjpgen.runtime.verify`, which also runs them after a package is
-generated for another torch release.
+:func:`run_edges` is the edge-value run: each sample again with its floating/complex tensors
+replaced by values where formulas branch (:data:`EDGE_VARIANTS`: zeros, ties, integer and
+half-integer floats, +-inf/nan, subnormal and huge magnitudes, 0 and the complex axes,
+rank-deficient and identity matrices), also in complex64, float16 and bfloat16, judged the same way
+(eager's NaN is the oracle). :data:`EDGE_SKIP` lists what it leaves out and why.
 
-``--compiled-autograd`` adds a second mode (:func:`run_compiled_autograd`): each sample's whole
+``python -m tests.conformance --out coverage [--edges]`` writes ``coverage/REPORT.md`` and
+``coverage/report.json`` (the edge run as its own section); the test suite runs :func:`run` over
+float64 and :func:`run_edges` over a fast slice. The walk and the per-node check live in
+:mod:`vjpgen.runtime.verify`, which also runs them after a package is generated for another torch
+release.
+
+``--compiled-autograd`` adds a third mode (:func:`run_compiled_autograd`): each sample's whole
 backward runs through torch's compiled autograd twice, with torch's C++ kernels and with vjpgen's
 (``vjpgen.runtime.set_compiled_autograd_kernels``), and the grads of the leaves are compared; each
 node class of the graph gets the graph's result.
@@ -41,9 +48,176 @@ from vjpgen.runtime.verify import (  # noqa: F401 - the harness core, shared wit
     _flatten,
     _short,
     check_node,
+    check_sample,
     run,
     walk,
 )
+
+# the edge run also covers the low-precision and single-precision complex dtypes
+EDGE_DTYPES = {
+    **DTYPES, "complex64": torch.complex64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# edge values: the same samples with values where formulas branch
+
+
+def _cycle(t: torch.Tensor, values) -> torch.Tensor:
+    """``t``'s shape filled with ``values`` repeated along the flattened index."""
+    n = t.numel()
+    v = torch.tensor(values, dtype=t.dtype)
+    return v.repeat(n // len(values) + 1)[:n].reshape(t.shape).to(t.device)
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """``t / |t|`` (``sgn``), with 1 where ``t`` is 0: a sign that is never 0."""
+    return torch.where(t == 0, torch.ones((), dtype=t.dtype), t.sgn())
+
+
+def _rank_deficient(t: torch.Tensor):
+    if t.dim() < 2 or t.shape[-1] < 2 or t.shape[-2] < 2:
+        return None
+    r = t.clone()
+    r[..., :, 1] = r[..., :, 0]  # two equal columns: singular, rank-deficient, a repeated singular value
+    return r
+
+
+def _identity(t: torch.Tensor):
+    if t.dim() < 2 or t.shape[-1] != t.shape[-2] or t.shape[-1] < 2:
+        return None
+    return torch.eye(t.shape[-1], dtype=t.dtype).expand(t.shape).clone()  # all eigen/singular values tied
+
+
+def _complex_axes(t: torch.Tensor):
+    if not t.is_complex():
+        return None
+    x = t.abs().to(t.dtype)
+    return _cycle(t, [0, 1, 1j, -1, -1j]) * x  # 0, and the positive/negative real and imaginary axes
+
+
+def _empty(t: torch.Tensor):
+    if t.dim() == 0 or t.shape[0] == 0:
+        return None
+    return t[:0].clone()  # zero-size along dim 0 (every tensor of the sample alike)
+
+
+def _zero_dim(t: torch.Tensor):
+    if t.dim() == 0 or t.numel() == 0:
+        return None
+    return t.reshape(-1)[0].clone()  # 0-d
+
+
+# name -> f(values) -> new values or None (the variant does not apply to that tensor)
+EDGE_VARIANTS = {
+    "zeros": torch.zeros_like,
+    "ties": lambda t: _cycle(t, [0.5, -1.0, 0.5, 2.0, -1.0]),  # repeated values (max/min/sort/median/...)
+    "integers": lambda t: (t * 3).round(),  # integer-valued floats (round/floor/ceil/trunc/frac, fmod)
+    "halves": lambda t: (t * 3).round() + 0.5,  # exactly halfway between integers (round's ties)
+    "nonfinite": lambda t: torch.where(
+        _cycle(t.real, [1.0, 0.0, 0.0, 0.0]) != 0, t, _cycle(t, [0.0, float("inf"), float("-inf"), float("nan")])
+    ),
+    "tiny": lambda t: _unit(t) * (torch.finfo(t.dtype).tiny / 4),  # subnormal
+    "huge": lambda t: _unit(t) * (torch.finfo(t.dtype).max / 16),
+    "complex_axes": _complex_axes,
+    "rank_deficient": _rank_deficient,
+    "identity": _identity,
+    "empty": _empty,
+    "zero_dim": _zero_dim,
+}
+
+
+# (OpInfo name, variant) pairs the edge run leaves out, with the reason (listed in REPORT.md)
+EDGE_SKIP = {
+    ("nn.functional.grid_sample", "nonfinite"): "the live GridSampler2DBackward0 node itself segfaults on a "
+    "nan grid with padding_mode='reflection' (torch 2.13 CPU), so there is no oracle",
+    **{
+        ("_segment_reduce", v): "the sample's lengths/offsets index the data tensor; made zero-size or 0-d, "
+        "torch's kernel reads out of bounds (segfault)"
+        for v in ("empty", "zero_dim")
+    },
+    ("nn.functional.pdist", "empty"): "the live PdistBackward node itself segfaults on an input with zero rows",
+    **{
+        (name, "empty"): "torch's own CPU batch norm kernel divides by zero (SIGFPE) on a zero-size input"
+        for name in (
+            "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "nn.functional.batch_norm",
+        )
+    },
+}
+
+
+def _edge_map(x, f, hit: list):
+    """``x`` (a sample's input/args/kwargs) with ``f`` applied to each dense floating/complex tensor."""
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided or x.is_nested or not (x.dtype.is_floating_point or x.dtype.is_complex):
+            return x
+        with torch.no_grad():
+            v = f(x.detach())
+        if v is None:
+            return x
+        hit.append(True)
+        return v.to(x.dtype).detach().requires_grad_(x.requires_grad)
+    if isinstance(x, tuple):
+        return tuple(_edge_map(y, f, hit) for y in x)
+    if isinstance(x, list):
+        return [_edge_map(y, f, hit) for y in x]
+    if isinstance(x, dict):
+        return {k: _edge_map(y, f, hit) for k, y in x.items()}
+    return x
+
+
+def edge_samples(s, variants=None):
+    """``(name, sample)`` for each edge variant of sample ``s`` that changes one of its tensors."""
+    import types
+
+    for name in variants or EDGE_VARIANTS:
+        f = EDGE_VARIANTS[name]
+        hit: list = []
+        try:
+            new = types.SimpleNamespace(
+                input=_edge_map(s.input, f, hit), args=_edge_map(s.args, f, hit), kwargs=_edge_map(s.kwargs, f, hit)
+            )
+        except Exception:  # a variant that cannot be built for these dtypes/shapes
+            continue
+        if hit:
+            yield name, new
+
+
+def run_edges(op_names=None, dtypes=tuple(EDGE_DTYPES), max_samples=None, variants=None, log=None):
+    """The edge-value run: each OpInfo sample (CPU) turned into each of :data:`EDGE_VARIANTS`, in
+    every dtype of ``dtypes`` the op supports for backward, every node checked against the live
+    node. Returns {node class: ClassResult} and the per-op errors, as :func:`run`."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
+    op_errors: list[str] = []
+    gen = torch.Generator().manual_seed(0)
+    for op in op_db:
+        if not op.supports_autograd:
+            continue
+        label = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}"
+        if op_names is not None and label not in op_names and op.name not in op_names:
+            continue
+        try:
+            supported = op.supported_backward_dtypes("cpu")
+        except Exception:
+            supported = op.supported_dtypes("cpu")
+        for dname in dtypes:
+            dtype = EDGE_DTYPES[dname]
+            if dtype not in supported:
+                continue
+            try:
+                samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))
+            except Exception as e:
+                op_errors.append(f"{label} {dname}: sample_inputs raised {_short(e)}")
+                continue
+            if max_samples is not None:
+                samples = samples[:max_samples]
+            skip = {v for (o, v) in EDGE_SKIP if o in (label, op.name)}
+            for s in samples:
+                for vname, es in edge_samples(s, [v for v in variants or EDGE_VARIANTS if v not in skip]):
+                    check_sample(op, label, dname, es, results, gen, log, tag=f"{vname} {dname}")
+    return dict(results), op_errors
 
 
 def _leaf_grads_ca(outs, leaves, gos, vjpgen_kernels: bool):
@@ -205,24 +379,99 @@ def summarize(results) -> dict:
     }
 
 
-def write_report(results, op_errors, out: Path, seconds: float, extra_lines=None, extra_json=None) -> dict:
+def _classes_json(results) -> dict:
+    return {
+        name: {
+            "tried": r.tried,
+            **{k: r.counts[k] for k in (PASSED, MISMATCHED, RAISED, UNSUPPORTED)},
+            "reasons": dict(r.reasons.most_common(5)),
+            "ops": sorted(r.ops),
+        }
+        for name, r in sorted(results.items())
+    }
+
+
+def _summary_row(summary) -> str:
+    return (
+        f"{summary['node_classes_reached']} | {summary['node_classes_verified']} | "
+        f"{summary['generated_classes_reached']} | {summary['generated_classes_verified']} | {summary['node_checks']} | "
+        f"{summary[PASSED]} | {summary[MISMATCHED]} | {summary[RAISED]} | {summary[UNSUPPORTED]} |"
+    )
+
+
+def _not_verified_rows(results) -> list:
+    rows = []
+    for name, r in sorted(results.items()):
+        c = r.counts
+        if _verified(r):
+            continue
+        reason = r.reasons.most_common(1)[0][0] if r.reasons else ""
+        reason = reason.replace("|", "\\|")
+        rows.append(
+            f"| {name} | {r.tried} | {c[PASSED]} | {c[MISMATCHED]} | {c[RAISED]} | {c[UNSUPPORTED]} | {reason} |"
+        )
+    return rows
+
+
+def _edge_section(edge: dict) -> list:
+    res = edge["results"]
+    summary = summarize(res)
+    lines = [
+        "## Edge-value run",
+        "",
+        f"The same harness over edge-value variants of the OpInfo samples ({edge['settings']}; "
+        f"{edge['seconds']:.0f} s): each floating/complex tensor of a sample replaced by "
+        + ", ".join(f"*{v}*" for v in edge["variants"])
+        + " (see `EDGE_VARIANTS` in `tests/conformance.py`), still judged against the live C++ node with "
+        "`torch.testing.assert_close(..., equal_nan=True)`: eager's NaN and inf are the oracle. 0-d and "
+        "zero-size tensors come from the OpInfo samples themselves. A variant the forward rejects (e.g. a "
+        "Cholesky of a singular matrix) is skipped. Left out: "
+        + "; ".join(f"*{v}* of `{o}` ({r})" for (o, v), r in sorted(EDGE_SKIP.items()))
+        + ".",
+        "",
+        "| run | node classes reached | verified | of them with a generated module: reached | verified "
+        "| node checks | passed | mismatched | raised | unsupported |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| edge values | {_summary_row(summary)}",
+        "",
+        "### Edge run: classes not verified, with the reason",
+        "",
+        "| node class | tried | passed | mismatched | raised | unsupported | top reason |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *_not_verified_rows(res),
+        "",
+        "### Edge run: checks per class (passed/mismatched/raised/unsupported)",
+        "",
+        ", ".join(
+            f"{n} ({r.counts[PASSED]}/{r.counts[MISMATCHED]}/{r.counts[RAISED]}/{r.counts[UNSUPPORTED]})"
+            for n, r in sorted(res.items())
+        ),
+        "",
+    ]
+    return lines
+
+
+def write_report(results, op_errors, out: Path, seconds: float, edge: dict | None = None, extra_lines=None,
+                 extra_json=None) -> dict:
+    """Write ``REPORT.md`` and ``report.json``; ``edge``: the edge-value run (``results``,
+    ``op_errors``, ``seconds``, ``settings``, ``variants``), reported as its own row and lists."""
     out.mkdir(parents=True, exist_ok=True)
     summary = summarize(results)
     data = {
         "summary": summary,
         "torch": torch.__version__,
-        "classes": {
-            name: {
-                "tried": r.tried,
-                **{k: r.counts[k] for k in (PASSED, MISMATCHED, RAISED, UNSUPPORTED)},
-                "reasons": dict(r.reasons.most_common(5)),
-                "ops": sorted(r.ops),
-            }
-            for name, r in sorted(results.items())
-        },
+        "classes": _classes_json(results),
         "op_errors": op_errors,
         **(extra_json or {}),
     }
+    if edge is not None:
+        data["edge"] = {
+            "summary": summarize(edge["results"]),
+            "settings": edge["settings"],
+            "variants": list(edge["variants"]),
+            "classes": _classes_json(edge["results"]),
+            "op_errors": edge["op_errors"],
+        }
     (out / "report.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     lines = [
         "# vjpgen conformance report",
@@ -233,9 +482,7 @@ def write_report(results, op_errors, out: Path, seconds: float, extra_lines=None
         "| node classes reached | verified | of them with a generated module: reached | verified "
         "| node checks | passed | mismatched | raised | unsupported |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        f"| {summary['node_classes_reached']} | {summary['node_classes_verified']} | "
-        f"{summary['generated_classes_reached']} | {summary['generated_classes_verified']} | {summary['node_checks']} | "
-        f"{summary[PASSED]} | {summary[MISMATCHED]} | {summary[RAISED]} | {summary[UNSUPPORTED]} |",
+        f"| {_summary_row(summary)}",
         "",
         "A class is *verified* when at least one check passed and none mismatched or raised. Each node is "
         "checked with random grads for every output, and (nodes with several outputs) with each grad "
@@ -248,22 +495,18 @@ def write_report(results, op_errors, out: Path, seconds: float, extra_lines=None
         "| node class | tried | passed | mismatched | raised | unsupported | top reason |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, r in sorted(results.items()):
-        c = r.counts
-        if _verified(r):
-            continue
-        reason = r.reasons.most_common(1)[0][0] if r.reasons else ""
-        reason = reason.replace("|", "\\|")
-        lines.append(
-            f"| {name} | {r.tried} | {c[PASSED]} | {c[MISMATCHED]} | {c[RAISED]} | {c[UNSUPPORTED]} | {reason} |"
-        )
+    lines += _not_verified_rows(results)
     lines += ["", "## Verified classes", ""]
     lines.append(", ".join(
         f"{n} ({r.counts[PASSED]})" for n, r in sorted(results.items()) if _verified(r)
     ))
+    if edge is not None:
+        lines += [""] + _edge_section(edge)
     lines += extra_lines or []
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
     return summary
+
+
 
 
 def main(argv=None) -> int:
@@ -272,15 +515,28 @@ def main(argv=None) -> int:
     p.add_argument("--ops", nargs="*", help="OpInfo names to run (default: all)")
     p.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--edges", action="store_true", help="also run the edge-value variants (its own report row)")
+    p.add_argument("--edge-dtypes", nargs="*", default=list(EDGE_DTYPES))
+    p.add_argument("--edge-variants", nargs="*", default=list(EDGE_VARIANTS))
+    p.add_argument("--edge-max-samples", type=int, default=None, help="OpInfo samples per op and dtype (default: all)")
     p.add_argument("--compiled-autograd", action="store_true",
                    help="also run the compiled-autograd mode (torch's kernels vs vjpgen's)")
     p.add_argument("--ca-max-samples", type=int, default=2)
+    p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     t0 = time.time()
     log = (lambda s: print(s, file=sys.stderr)) if a.verbose else None
     results, errs = run(a.ops, a.dtypes, a.max_samples, log)
     seconds = time.time() - t0
+    edge = None
+    if a.edges:
+        t1 = time.time()
+        eres, eerrs = run_edges(a.ops, a.edge_dtypes, a.edge_max_samples, a.edge_variants, log)
+        settings = f"dtypes {', '.join(a.edge_dtypes)}; " + (
+            f"the first {a.edge_max_samples} samples per op and dtype" if a.edge_max_samples else "all samples"
+        ) + ("; ops " + ", ".join(a.ops) if a.ops else "; every OpInfo that supports autograd")
+        edge = dict(results=eres, op_errors=eerrs, seconds=time.time() - t1, settings=settings,
+                    variants=a.edge_variants)
     extra, extra_json = None, None
     if a.compiled_autograd:
         t1 = time.time()
@@ -293,7 +549,9 @@ def main(argv=None) -> int:
         }}
         bad = sum(r.counts[MISMATCHED] + r.counts[RAISED] for r in ca_results.values())
         print(json.dumps({"compiled_autograd_classes": len(ca_results), "mismatched_or_raised": bad}))
-    summary = write_report(results, errs, a.out, seconds, extra, extra_json)
+    summary = write_report(results, errs, a.out, seconds, edge, extra, extra_json)
+    if edge is not None:
+        summary = {"base": summary, "edge": summarize(edge["results"])}
     print(json.dumps(summary))
     return 0
 

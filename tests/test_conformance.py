@@ -1,4 +1,5 @@
-"""Every node reached by torch's OpInfo samples (CPU, float64) against the live C++ node.
+"""Every node reached by torch's OpInfo samples (CPU, float64) against the live C++ node, and a
+fast slice of the edge-value run (``tests.conformance.run_edges``).
 
 The fast subset of ``make coverage``: all OpInfos that support autograd, float64 only. Fails on
 any mismatch, and on any error that is not one of the documented limits (upstream
@@ -77,3 +78,47 @@ def test_compiled_autograd_mode_reports_a_different_formula(monkeypatch):
     monkeypatch.setattr(conformance, "INTENDED_DIFFERENCES", {})
     res, _ = run_compiled_autograd(["round"], max_samples=1)
     assert res["RoundBackward0"].counts[MISMATCHED] >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# the edge-value run (``make coverage`` runs it over every OpInfo): a fast slice of ops whose
+# formulas branch on values, in the dtypes where ports diverged before
+
+EDGE_OPS = (
+    "det", "linalg.det", "linalg.slogdet", "linalg.inv", "linalg.solve", "linalg.svd", "linalg.eigh",
+    "atan2", "angle", "sgn", "abs", "addcdiv", "div", "pow", "sqrt", "rsqrt", "log", "prod",
+    "max", "min", "amax", "sort", "median", "kthvalue", "cummax", "round", "frac", "fmod",
+    "linalg.vector_norm", "norm", "logsumexp", "clamp", "where", "hypot", "copysign",
+)
+EDGE_DTYPES = ("float64", "complex128", "complex64", "float16")
+
+
+@pytest.fixture(scope="module")
+def edge_results():
+    from tests.conformance import run_edges
+
+    res, _ = run_edges(EDGE_OPS, dtypes=EDGE_DTYPES, max_samples=2)
+    print(summarize(res))
+    return res
+
+
+@pytest.mark.timeout(300)
+def test_edge_values_no_mismatch_against_the_live_node(edge_results):
+    bad = [
+        f"{name}: {reason} (x{n})"
+        for name, r in sorted(edge_results.items())
+        for reason, n in r.reasons.items()
+        if reason.startswith(MISMATCHED)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_edge_values_no_unexpected_errors(edge_results):
+    bad = [
+        f"{name}: {reason} (x{n})"
+        for name, r in sorted(edge_results.items())
+        for reason, n in r.reasons.items()
+        if reason.startswith(RAISED) and not ALLOWED.search(reason)
+    ]
+    assert not bad, "\n".join(bad)
+    assert summarize(edge_results)["node_checks"] > 1000

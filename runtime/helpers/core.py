@@ -45,3 +45,18 @@ def suggest_memory_format(self: torch.Tensor):
     if self.dim() == 5 and self.is_contiguous(memory_format=torch.channels_last_3d) and not self.is_contiguous():
         return torch.channels_last_3d
     return torch.contiguous_format
+
+
+@register
+def scalar_sub_tensor(s, t: torch.Tensor) -> torch.Tensor:
+    """``s - t`` for a Python number ``s`` as C++'s ``Scalar - Tensor`` computes it: a tensor like
+    ``t`` filled with ``s`` (so ``s`` is rounded to ``t``'s dtype first), minus ``t``."""
+    return torch.full_like(t, s) - t
+
+
+@register
+def scalar_div_tensor(s, t: torch.Tensor) -> torch.Tensor:
+    """``s / t`` for a Python number ``s`` as C++'s ``Scalar / Tensor`` computes it: a tensor like
+    ``t`` filled with ``s`` (rounded to ``t``'s dtype), divided by ``t``. Python's ``s / t`` is
+    ``t.reciprocal() * s``, which rounds twice and keeps ``s`` in double."""
+    return torch.full_like(t, s) / t

@@ -171,7 +171,8 @@ def linalg_det_backward(grad, det, A, LU, pivots):
 
     ``A``: (*, n, n); ``det``, ``grad``: (*); ``LU``/``pivots``: the LU factorisation
     saved by ``_linalg_det``. Returns None if ``grad`` is None; an empty grad if ``A`` is empty
-    (as the live node does).
+    (as the live node does); for 1x1 matrices the grad itself, ``grad[..., None, None]``
+    (the derivative of the single entry is 1, also at 0, inf or nan, as in C++).
     With grad mode off: an lu_solve on ``LU`` whose exact-zero pivots are replaced by eps.
     With grad mode on (double backward): ``solve(A^H, ...)`` for well-conditioned batch
     elements and an SVD-based adjugate for those with ``|det| < 100 eps``; that split
@@ -181,6 +182,11 @@ def linalg_det_backward(grad, det, A, LU, pivots):
         return None
     if A.numel() == 0:
         return torch.zeros_like(A)
+    if A.shape[-1] == 1:
+        # det of a 1x1 matrix is its entry, so d det / dA = 1 whatever A holds (0, inf, nan):
+        # the VJP is the grad itself. The general formula below divides by a perturbed pivot
+        # and would give 0 at A = 0 and nan at A = inf.
+        return grad.unsqueeze(-1).unsqueeze(-1)
     d = _diag_rhs(grad * det.conj(), pivots)
     eps = _eps(LU)
     if not torch.is_grad_enabled():

@@ -218,7 +218,8 @@ def angle_backward(grad: torch.Tensor, self: torch.Tensor) -> torch.Tensor:
 @register
 def atan2_backward(grad: torch.Tensor | None, self: torch.Tensor, other: torch.Tensor,
                    output_mask) -> tuple:
-    """VJP of ``atan2(self, other)``: ``(grad * other / r2, -grad * self / r2)``, ``r2 = self^2 + other^2``.
+    """VJP of ``atan2(self, other)``: ``(grad * other / r2, -grad * self / r2)``, ``r2 = self^2 + other^2``,
+    with ``1 / r2`` taken as 0 where ``r2 == 0`` (both grads 0 at the origin).
 
     Entries not requested in ``output_mask`` (and both, when ``grad`` is ``None``) are ``None``.
 
@@ -226,7 +227,10 @@ def atan2_backward(grad: torch.Tensor | None, self: torch.Tensor, other: torch.T
     """
     if grad is None:
         return None, None
-    recip = (self * self + other * other).reciprocal()
+    r2 = self * self + other * other
+    # where r2 is 0 (at the origin, or underflowed: |self|, |other| below ~sqrt(tiny)) both grads
+    # are 0, as the live node gives, instead of 0 * inf = nan and x * inf = inf
+    recip = torch.where(r2 == 0, torch.zeros((), dtype=r2.dtype, device=r2.device), r2.reciprocal())
     return (grad * other * recip if output_mask[0] else None,
             grad * -self * recip if output_mask[1] else None)
 

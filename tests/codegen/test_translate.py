@@ -122,3 +122,24 @@ def test_torch_name_answers_are_cached_per_release(tmp_path, monkeypatch):
     names.save()
     again = TorchNames("0.0-test")
     assert again.data == names.data and not again.dirty
+
+
+def test_scalar_over_tensor_rounds_like_the_cpp_operator():
+    # C++ `Scalar / Tensor` fills a tensor of the right operand's dtype with the scalar, then
+    # divides; Python's `s / t` is `t.reciprocal() * s`. In float16 they differ; the oracle is the
+    # live AddcdivBackward0 node, whose tensor1 grad is `grad * (value / tensor2).conj()`.
+    h = torch.float16
+    t2 = torch.linspace(0.1, 10, 500, dtype=h).requires_grad_()
+    t1 = torch.ones(500, dtype=h, requires_grad=True)
+    out = torch.addcdiv(torch.zeros(500, dtype=h), t1, t2, value=3.14)
+    g = torch.ones(500, dtype=h)
+    with torch.no_grad():
+        expected = out.grad_fn(g)[1]
+    types = {"grad": "tensor", "tensor2": "tensor", "value": "scalar"}
+    src, got = run("grad * (value / tensor2).conj()", {"grad": g, "tensor2": t2.detach(), "value": 3.14}, types)
+    assert "scalar_div_tensor(value, tensor2)" in src
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert not torch.equal(g * (3.14 / t2.detach()), expected)  # the Python spelling rounds otherwise
+    # a literal stays Python arithmetic (exact in every float dtype)
+    src, _ = run("1 / tensor2", {"tensor2": t2.detach()}, types)
+    assert "scalar_div_tensor" not in src

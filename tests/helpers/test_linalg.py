@@ -111,6 +111,22 @@ def test_det_singular(grad_mode):
     check_grads(mine(L.linalg_det_backward, *args(g), grad_mode=grad_mode), live(n, g, grad_mode=grad_mode))
 
 
+@pytest.mark.parametrize("grad_mode", [False, True])
+@pytest.mark.parametrize("dtype", [D, C])
+def test_det_1x1_at_edge_values(grad_mode, dtype):
+    # 1x1 matrices at 0, a subnormal, inf and nan, batched: the live node returns the grad
+    # itself there; the general solve would divide by a perturbed zero pivot (issue 18, case 1)
+    vals = [0.0, 5e-324, float("inf"), float("nan"), -2.0]
+    A = torch.tensor(vals, dtype=dtype).reshape(5, 1, 1).requires_grad_()
+    out, n, args = _det_node(A)
+    g = rnd(out)
+    check_grads(mine(L.linalg_det_backward, *args(g), grad_mode=grad_mode), live(n, g, grad_mode=grad_mode))
+    A0 = torch.zeros(1, 1, dtype=dtype, requires_grad=True)  # the issue's reproduction
+    out, n, args = _det_node(A0)
+    g = torch.ones((), dtype=dtype)
+    check_grads(mine(L.linalg_det_backward, *args(g), grad_mode=grad_mode), live(n, g, grad_mode=grad_mode))
+
+
 def test_det_empty_and_none():
     A = leaf(0, 0)
     out, n, args = _det_node(A)
