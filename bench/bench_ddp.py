@@ -106,8 +106,8 @@ def main(argv=None) -> int:
     from vjpgen.runtime import ranks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--steps-per-turn", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--steps-per-turn", type=int, default=5)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--timeout", type=float, default=900.0)
     a = ap.parse_args(argv)

@@ -15,6 +15,7 @@
 // Python alike, whenever they were registered): see HookFlags.
 // call_node(node, grads, keep_graph): the engine's call_function for one node: tensor pre-hooks,
 // retains_grad hooks, pre-hooks, the node, validate_outputs, post-hooks.
+// call_leaves(nodes, grads, keep_graph): call_node for a run of AccumulateGrad nodes.
 // Built on first use by vjpgen/runtime/native.py with torch.utils.cpp_extension.
 
 #include <torch/csrc/Device.h>
@@ -620,6 +621,63 @@ pybind11::list call_node(pybind11::handle node, pybind11::handle grads, bool kee
   return out;
 }
 
+// call_node for a run of AccumulateGrad nodes (one grad each, nothing returned): the live leaf
+// steps of a plan, in order, with one GIL release for all (DDP's reducer hook on each parameter).
+void call_leaves(pybind11::handle nodes, pybind11::handle grads, bool keep_graph) {
+  pybind11::sequence ns = pybind11::reinterpret_borrow<pybind11::sequence>(nodes);
+  pybind11::sequence gs = pybind11::reinterpret_borrow<pybind11::sequence>(grads);
+  size_t n = ns.size();
+  if (gs.size() != n) {
+    throw pybind11::value_error("vjpgen native.call_leaves: as many grads as nodes expected");
+  }
+  std::vector<NodeRef> fns;
+  std::vector<torch::autograd::variable_list> inputs;
+  fns.reserve(n);
+  inputs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    pybind11::object o = ns[i];
+    pybind11::object g = gs[i];
+    auto fn = node_of(o.ptr());
+    if (!fn) {
+      throw pybind11::type_error("vjpgen native.call_leaves: expected autograd nodes");
+    }
+    torch::autograd::variable_list in;
+    if (g.is_none()) {
+      in.emplace_back();
+    } else if (THPVariable_Check(g.ptr())) {
+      in.push_back(THPVariable_Unpack(g.ptr()));
+    } else {
+      throw pybind11::type_error("vjpgen native.call_leaves: grads must be tensors or None");
+    }
+    fns.push_back(std::move(fn));
+    inputs.push_back(std::move(in));
+  }
+  bool py_err = false;
+  std::string cpp_err;
+  {
+    pybind11::gil_scoped_release nogil;
+    try {
+      for (size_t i = 0; i < n; ++i) {
+        engine_call(*fns[i], std::move(inputs[i]), keep_graph);
+      }
+    } catch (python_error& e) {
+      pybind11::gil_scoped_acquire gil;
+      e.restore();
+      py_err = true;
+    } catch (const c10::Error& e) {
+      cpp_err = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      cpp_err = e.what();
+    }
+  }
+  if (py_err) {
+    throw pybind11::error_already_set();
+  }
+  if (!cpp_err.empty()) {
+    throw std::runtime_error(cpp_err);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -632,5 +690,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hook_flags", &hook_flags, "{index: hook bits} for the nodes of a sequence that have hooks");
   m.def("call_node", &call_node, "the engine's call_function: hooks, the node, validate_outputs",
         pybind11::arg("node"), pybind11::arg("grads"), pybind11::arg("keep_graph"));
+  m.def("call_leaves", &call_leaves, "call_node for a run of AccumulateGrad nodes, one grad each",
+        pybind11::arg("nodes"), pybind11::arg("grads"), pybind11::arg("keep_graph"));
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from . import capture, fastpath, sparse
+from . import capture, fastpath, native, sparse
 from . import saved as _saved
 from .cache import Compiled, find, make_guard
 from .leaves import accumulate_leaves
-from .live import _run_live
+from .live import _run_live, _run_live_leaves
 from .plan import Plan, Region, _partition
 from .release import _SECOND_BACKWARD, release_nodes
 from .stats import STATS, record_break
@@ -505,6 +505,33 @@ def _conform_outputs(region: Region, plan: Plan, compiled, outs: list, metas) ->
     compiled.conform = fixed or compiled.conform is True
 
 
+def _execute_steps(plan: Plan, nodes, metas, buf, ctx: CallContext, early: dict) -> None:
+    """The steps of a plan with leaves accumulated early (see plan._place_sinks) or leaves run live:
+    a run of consecutive live AccumulateGrad steps (DDP's hooked parameters) is one native call."""
+    if -1 in early:
+        accumulate_leaves(plan, nodes, buf, ctx, early[-1])
+    steps = list(plan.steps)
+    live_acc = plan.live_acc_bytes
+    batch = native.module() is not None and len(live_acc) > 1
+    n = len(steps)
+    k = 0
+    while k < n:
+        step = steps[k]
+        last = k
+        if type(step) is Region:
+            _run_region(step, plan, nodes, metas, buf, ctx)
+        elif batch and step.node in live_acc:
+            while last + 1 < n and type(steps[last + 1]) is not Region and steps[last + 1].node in live_acc:
+                last += 1
+            _run_live_leaves([s.node for s in steps[k:last + 1]], plan, nodes, buf, ctx)
+        else:
+            _run_live(step.node, plan, nodes, metas, buf, ctx)
+        for kk in range(k, last + 1):
+            if kk in early:
+                accumulate_leaves(plan, nodes, buf, ctx, early[kk])
+        k = last + 1
+
+
 def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
     """Run the plan; returns the slot buffer."""
     buf = [None] * plan.nslots
@@ -520,16 +547,8 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
         buf[s] = g if buf[s] is None else buf[s] + g
     early = plan.acc_early  # a graph break found now re-partitions plan.steps and these
     ctx.acc_final = plan.acc_final
-    if early:
-        if -1 in early:
-            accumulate_leaves(plan, nodes, buf, ctx, early[-1])
-        for k, step in enumerate(list(plan.steps)):
-            if type(step) is Region:
-                _run_region(step, plan, nodes, metas, buf, ctx)
-            else:
-                _run_live(step.node, plan, nodes, metas, buf, ctx)
-            if k in early:
-                accumulate_leaves(plan, nodes, buf, ctx, early[k])
+    if early or plan.live_acc_bytes:
+        _execute_steps(plan, nodes, metas, buf, ctx, early)
         return buf
     for step in list(plan.steps):
         if type(step) is Region:

@@ -120,3 +120,17 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
         if id(g) in ins:
             ctx.protected.add(id(g))
         buf[s] = g if buf[s] is None else buf[s] + g
+
+
+def _run_live_leaves(idx, plan: Plan, nodes, buf, ctx: "CallContext") -> None:
+    """Live AccumulateGrad steps ``idx`` (leaves with hooks, e.g. DDP's reducer hook), in order,
+    through one native call: the engine's call of each node with its hooks (see _run_live)."""
+    infos = plan.infos
+    STATS.live_calls += len(idx)
+    grads = []
+    for i in idx:
+        s = infos[i].in_slots[0] if infos[i].in_slots else None
+        grads.append(None if s is None else buf[s])
+        if ctx.graphs is not None:
+            ctx.graphs.append(("live", infos[i].name, None, infos[i].live[1] if infos[i].live else ""))
+    native.module().call_leaves([nodes[i] for i in idx], grads, not ctx.release)
