@@ -29,6 +29,8 @@ def _opaque(fn):
     import torch._dynamo
 
     return torch._dynamo.disable(fn, reason="vjpgen's backward runs outside the compiled frame")
+
+
 _warned_create_graph = False
 
 # the functions torch had before compiled_autograd() patched anything

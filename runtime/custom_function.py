@@ -4,7 +4,7 @@ A node of a custom Function (``MyFnBackward``) has no generated module; :func:`m
 it one with the generated-module interface (``SCHEMA``, ``get_state``, ``get_saved``,
 ``apply_functional``) so the engine traces its ``backward`` like any formula:
 
-* ``ctx.saved_tensors`` become graph inputs, the sizes of the forward's outputs sizes that may
+* ``ctx.saved_tensors`` become graph inputs and the forward's output sizes are sizes that may
   become dynamic (as a built-in node's saved sizes do); ``ctx.needs_input_grad`` and the attributes the
   forward set on ``ctx`` (numbers, strings, dtypes, devices, tuples of those) are constants of
   the cache key, so a changed attribute recompiles instead of reusing a stale graph;
