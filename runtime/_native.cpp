@@ -569,6 +569,34 @@ torch::autograd::variable_list engine_call(torch::autograd::Node& fn, torch::aut
   return outputs;
 }
 
+// Runs fn with the GIL released, as the engine runs nodes; a Python error raised inside (a Python
+// hook) is restored as the pending Python exception and a C++ error becomes a RuntimeError.
+template <typename F>
+void without_gil(F&& fn) {
+  bool py_err = false;
+  std::string cpp_err;
+  {
+    pybind11::gil_scoped_release nogil;
+    try {
+      fn();
+    } catch (python_error& e) {
+      pybind11::gil_scoped_acquire gil;
+      e.restore();
+      py_err = true;
+    } catch (const c10::Error& e) {
+      cpp_err = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      cpp_err = e.what();
+    }
+  }
+  if (py_err) {
+    throw pybind11::error_already_set();
+  }
+  if (!cpp_err.empty()) {
+    throw std::runtime_error(cpp_err);
+  }
+}
+
 // Calls `node` with `grads` (tensors or None) as the engine would: see engine_call. Returns one
 // entry per next edge (None for an undefined grad). The GIL is released meanwhile, as the engine
 // runs nodes without it (a C++ hook may wait on a thread that needs it).
@@ -588,28 +616,7 @@ pybind11::list call_node(pybind11::handle node, pybind11::handle grads, bool kee
     }
   }
   torch::autograd::variable_list outputs;
-  bool py_err = false;
-  std::string cpp_err;
-  {
-    pybind11::gil_scoped_release nogil;
-    try {
-      outputs = engine_call(*fn, std::move(inputs), keep_graph);
-    } catch (python_error& e) {
-      pybind11::gil_scoped_acquire gil;
-      e.restore();
-      py_err = true;
-    } catch (const c10::Error& e) {
-      cpp_err = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      cpp_err = e.what();
-    }
-  }
-  if (py_err) {
-    throw pybind11::error_already_set();
-  }
-  if (!cpp_err.empty()) {
-    throw std::runtime_error(cpp_err);
-  }
+  without_gil([&] { outputs = engine_call(*fn, std::move(inputs), keep_graph); });
   pybind11::list out;
   for (auto& t : outputs) {
     if (t.defined()) {
@@ -652,30 +659,11 @@ void call_leaves(pybind11::handle nodes, pybind11::handle grads, bool keep_graph
     fns.push_back(std::move(fn));
     inputs.push_back(std::move(in));
   }
-  bool py_err = false;
-  std::string cpp_err;
-  {
-    pybind11::gil_scoped_release nogil;
-    try {
-      for (size_t i = 0; i < n; ++i) {
-        engine_call(*fns[i], std::move(inputs[i]), keep_graph);
-      }
-    } catch (python_error& e) {
-      pybind11::gil_scoped_acquire gil;
-      e.restore();
-      py_err = true;
-    } catch (const c10::Error& e) {
-      cpp_err = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      cpp_err = e.what();
+  without_gil([&] {
+    for (size_t i = 0; i < n; ++i) {
+      engine_call(*fns[i], std::move(inputs[i]), keep_graph);
     }
-  }
-  if (py_err) {
-    throw pybind11::error_already_set();
-  }
-  if (!cpp_err.empty()) {
-    throw std::runtime_error(cpp_err);
-  }
+  });
 }
 
 }  // namespace

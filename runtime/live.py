@@ -60,14 +60,7 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
         outs = nat.call_node(node, grads, not ctx.release)
         if ctx.release:
             release_nodes(nodes, (i,), plan.infos)
-        ins = {id(g) for g in grads if g is not None}
-        for (j, s, d, nr) in info.out:
-            g = outs[j]
-            if g is None:
-                continue
-            if id(g) in ins:
-                ctx.protected.add(id(g))
-            buf[s] = g if buf[s] is None else buf[s] + g
+        _add_outputs(info, outs, grads, buf, ctx)
         return
     if h is not None:
         if h.tensor_pre:
@@ -103,7 +96,6 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
             outs = list(r) if isinstance(r, (tuple, list)) else [r]
     if ctx.release:
         release_nodes(nodes, (i,), plan.infos)
-    ins = {id(g) for g in grads if g is not None}
     for (j, s, d, nr) in info.out:
         g = outs[j]
         if g is None:
@@ -113,6 +105,13 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
         outs[j] = g
     if h is not None and h.post:
         outs = hooks.run_node_post_hooks(h.post, outs, grads)
+    _add_outputs(info, outs, grads, buf, ctx)
+
+
+def _add_outputs(info, outs, grads, buf, ctx: "CallContext") -> None:
+    """Add a live node's grads into the slots of the inputs they flow into; a grad that is one of
+    the node's own incoming grads (passed through) is protected from being stolen by a leaf."""
+    ins = {id(g) for g in grads if g is not None}
     for (j, s, d, nr) in info.out:
         g = outs[j]
         if g is None:
