@@ -10,7 +10,6 @@ import torch
 
 from . import hooks, native, sparse
 from .plan import Plan
-from .walk import NativeHooks
 
 if TYPE_CHECKING:
     from .engine import CallContext
@@ -75,13 +74,14 @@ def _clone_obey_contract(grad, var):
 
 
 def accumulate_leaves(plan: Plan, nodes, buf, ctx: "CallContext", sinks=None) -> None:
-    """The AccumulateGrad sinks of a call, in the plan's order. Without hooks in the plan, the
-    common case (a fresh grad stolen into an empty ``.grad``) runs for all leaves in one native
-    call and :func:`accumulate_leaf` takes only the rest."""
+    """The AccumulateGrad sinks of a call, in the plan's order. With the native helper no sink has
+    hooks (it sees every hook, and a hooked leaf runs live: plan.build_plan), so the common case (a
+    fresh grad stolen into an empty ``.grad``) runs for all leaves in one native call and
+    :func:`accumulate_leaf` takes only the rest."""
     if sinks is None:  # the call's last sinks (execute() kept the plan's list of this call)
         sinks = ctx.acc_final if ctx.acc_final is not None else plan.acc_final
     nat = native.module()
-    if nat is not None and sinks and (not plan.hooked or plan.live_acc_bytes or _native_hooked(plan)):
+    if nat is not None and sinks:
         grads = [buf[s] for _, s in sinks]
         done = nat.steal_grads([nodes[ai] for ai, _ in sinks], grads, ctx.protected)
         for (ai, _), g, d in zip(sinks, grads, done):
@@ -94,14 +94,6 @@ def accumulate_leaves(plan: Plan, nodes, buf, ctx: "CallContext", sinks=None) ->
         if g is None and nh is None:
             continue
         accumulate_leaf(nodes[ai], g, ctx, nh)
-
-
-def _native_hooked(plan: Plan) -> bool:
-    """Whether the plan's hooks were read by the native helper (then no sink has hooks: a hooked
-    leaf runs live)."""
-    for h in plan.hooked.values():
-        return type(h) is NativeHooks
-    return False
 
 
 def accumulate_leaf(acc_node, grad, ctx: "CallContext", node_hooks=None) -> None:
