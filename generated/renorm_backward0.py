@@ -41,15 +41,21 @@ def apply_functional_ivalue(grads, stack):
     return apply_functional(grads, *stack)
 
 
-def get_state(node, should_compute=None):
-    """``[needs_input_grad, *saved]`` read from a live ``RenormBackward0`` node.
+def get_needs(node, should_compute=None):
+    """``needs_input_grad`` of a live ``RenormBackward0`` node: one bool per input.
 
-    ``should_compute(edge_index) -> bool`` narrows ``needs_input_grad`` to the edges a
-    backward pass will execute, like the engine's exec_info.
+    ``should_compute(edge_index) -> bool`` narrows it to the edges a backward pass will
+    execute, like the engine's exec_info.
     """
     nf = node.next_functions
     ranges = _RANGES
-    return [_state.needs_input_grad(nf, ranges, should_compute), *get_saved(node)]
+    return _state.needs_input_grad(nf, ranges, should_compute)
+
+
+def get_state(node, should_compute=None):
+    """``[needs_input_grad, *saved]`` read from a live ``RenormBackward0`` node (see
+    ``get_needs`` and ``get_saved``)."""
+    return [get_needs(node, should_compute), *get_saved(node)]
 
 
 USES_EDGE_META = False

@@ -85,12 +85,13 @@ class FunctionModule:
             valid,
         ]
 
-    def get_state(self, node, should_compute=None) -> list:
+    def get_needs(self, node, should_compute=None) -> tuple:
+        """One bool per edge: valid and, with ``should_compute``, executed."""
         nf = node.next_functions
-        needs = tuple(
-            nf[j][0] is not None and (should_compute is None or should_compute(j)) for j in range(len(nf))
-        )
-        return [needs, *self.get_saved(node)]
+        return tuple(nf[j][0] is not None and (should_compute is None or should_compute(j)) for j in range(len(nf)))
+
+    def get_state(self, node, should_compute=None) -> list:
+        return [self.get_needs(node, should_compute), *self.get_saved(node)]
 
     def apply_functional(self, grads, needs_input_grad, saved, attrs, materialize, outs, fwd_needs, edge_valid):
         """Run the Function's ``backward`` on a rebuilt ctx; one grad per edge (None where not needed)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from . import state as _state
 
 _local = threading.local()  # .memo: id(node) -> its saved values, during one backward call
 
@@ -50,22 +49,10 @@ def saved(module, node, edge_meta=None) -> list:
     return v
 
 
-def _needs(module, node, should_compute):
-    """``needs_input_grad`` as the module's ``get_state`` computes it (edges per input: fixed, or
-    per node where an input is a tensor list; one per edge for a custom Function's module)."""
-    nf = node.next_functions
-    is_list = getattr(module, "_INPUT_IS_LIST", None)
-    if is_list is not None and any(is_list):
-        return _state.needs_input_grad(nf, _state.input_ranges(len(nf), is_list), should_compute)
-    ranges = getattr(module, "_RANGES", None)
-    if ranges is not None:
-        return _state.needs_input_grad(nf, ranges, should_compute)
-    return tuple(nf[j][0] is not None and (should_compute is None or should_compute(j)) for j in range(len(nf)))
-
-
 def state(module, node, should_compute=None) -> list:
     """``module.get_state(node, should_compute)`` (``[needs_input_grad, *saved]``), with the saved
-    values read once per call."""
-    if getattr(_local, "memo", None) is None or getattr(module, "get_saved", None) is None:
+    values read once per call (``get_needs`` reads no saved value)."""
+    get_needs = getattr(module, "get_needs", None)
+    if getattr(_local, "memo", None) is None or get_needs is None or getattr(module, "get_saved", None) is None:
         return module.get_state(node, should_compute)
-    return [_needs(module, node, should_compute), *saved(module, node)]
+    return [get_needs(node, should_compute), *saved(module, node)]
