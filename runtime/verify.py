@@ -184,19 +184,26 @@ def check_sample(op, label, dname, s, results, gen, log=None, tag="", get_module
                 log(f"{status:10} {name:40} {label} {dname}{' ' + tag if tag else ''}: {reason}")
 
 
-def run(op_names=None, dtypes=("float64", "float32", "complex128"), max_samples=None, log=None, get_module=None):
-    """Run the harness over op_db (CPU); returns {node class: ClassResult} and a list of per-op errors."""
+def autograd_ops(op_names=None):
+    """``(op, label)`` for each OpInfo of torch's op_db that supports autograd (``label``: name and
+    variant); ``op_names``: only those whose label or name is listed."""
     from torch.testing._internal.common_methods_invocations import op_db
 
-    results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
-    op_errors: list[str] = []
-    gen = torch.Generator().manual_seed(0)
     for op in op_db:
         if not op.supports_autograd:
             continue
         label = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}"
         if op_names is not None and label not in op_names and op.name not in op_names:
             continue
+        yield op, label
+
+
+def run(op_names=None, dtypes=("float64", "float32", "complex128"), max_samples=None, log=None, get_module=None):
+    """Run the harness over op_db (CPU); returns {node class: ClassResult} and a list of per-op errors."""
+    results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
+    op_errors: list[str] = []
+    gen = torch.Generator().manual_seed(0)
+    for op, label in autograd_ops(op_names):
         supported = op.supported_dtypes("cpu")
         for dname in dtypes:
             dtype = DTYPES[dname]

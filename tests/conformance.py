@@ -46,6 +46,7 @@ from vjpgen.runtime.verify import (  # noqa: F401 - the harness core, shared wit
     UNSUPPORTED,
     ClassResult,
     _flatten,
+    autograd_ops,
     _short,
     check_node,
     check_sample,
@@ -187,17 +188,10 @@ def run_edges(op_names=None, dtypes=tuple(EDGE_DTYPES), max_samples=None, varian
     """The edge-value run: each OpInfo sample (CPU) turned into each of :data:`EDGE_VARIANTS`, in
     every dtype of ``dtypes`` the op supports for backward, every node checked against the live
     node. Returns {node class: ClassResult} and the per-op errors, as :func:`run`."""
-    from torch.testing._internal.common_methods_invocations import op_db
-
     results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
     op_errors: list[str] = []
     gen = torch.Generator().manual_seed(0)
-    for op in op_db:
-        if not op.supports_autograd:
-            continue
-        label = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}"
-        if op_names is not None and label not in op_names and op.name not in op_names:
-            continue
+    for op, label in autograd_ops(op_names):
         try:
             supported = op.supported_backward_dtypes("cpu")
         except Exception:
@@ -259,18 +253,11 @@ def run_compiled_autograd(op_names=None, dtypes=("float64",), max_samples=2, log
     Every node class of a graph gets that graph's status; a graph that reaches a class of
     :data:`INTENDED_DIFFERENCES` is not compared (its classes are marked ``overridden``).
     """
-    from torch.testing._internal.common_methods_invocations import op_db
-
     from vjpgen.runtime import compiled_autograd_kernel_stats, reset_compiled_autograd_kernel_stats
 
     reset_compiled_autograd_kernel_stats()
     results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
-    for op in op_db:
-        if not op.supports_autograd:
-            continue
-        label = f"{op.name}{'.' + op.variant_test_name if op.variant_test_name else ''}"
-        if op_names is not None and label not in op_names and op.name not in op_names:
-            continue
+    for op, label in autograd_ops(op_names):
         for dname in dtypes:
             dtype = DTYPES[dname]
             if dtype not in op.supported_dtypes("cpu"):
