@@ -18,6 +18,32 @@ def _queue(fn):
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def _backward(loss, use, backend=BK):
+    """``loss.backward()``: eager's, or vjpgen's when ``use``."""
+    if use:
+        with rt.compiled_autograd(backend=backend):
+            loss.backward()
+    else:
+        loss.backward()
+
+
+def _grads_both(build, params, backend=BK, iters=2):
+    """Grads of ``build()`` under eager and under vjpgen, ``iters`` times each (the second
+    vjpgen call of a structure takes the cache-hit path), asserted equal."""
+    out = []
+    for use in (False, True):
+        per = []
+        for _ in range(iters):
+            for p in params:
+                p.grad = None
+            _backward(build(), use, backend)
+            per.append([p.grad.clone() for p in params])
+        out.append(per)
+    for a_it, b_it in zip(*out):
+        for a, b in zip(a_it, b_it):
+            torch.testing.assert_close(b, a)
+
+
 def test_final_callback_from_tensor_hook_runs_after_the_backward():
     events = []
 
@@ -25,12 +51,7 @@ def test_final_callback_from_tensor_hook_runs_after_the_backward():
         x = torch.ones(3, requires_grad=True)
         y = x * 2
         y.register_hook(lambda g: (_queue(lambda: events.append(("callback", x.grad is not None))), g)[1])
-        loss = (y * y).sum()
-        if use:
-            with rt.compiled_autograd(backend=BK):
-                loss.backward()
-        else:
-            loss.backward()
+        _backward((y * y).sum(), use)
         return x.grad
 
     ref = run(False)
@@ -69,19 +90,7 @@ def test_torch_compiled_block_inside_an_eager_model(compile_backend):
     cblock = torch.compile(block, backend=compile_backend)
     params = [*block.parameters(), *head.parameters()]
     x = torch.randn(5, 6)
-    grads = []
-    for use in (False, True):
-        for p in params:
-            p.grad = None
-        loss = head(cblock(x).relu()).square().mean()
-        if use:
-            with rt.compiled_autograd(backend=BK):
-                loss.backward()
-        else:
-            loss.backward()
-        grads.append([p.grad.clone() for p in params])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(b, a)
+    _grads_both(lambda: head(cblock(x).relu()).square().mean(), params, iters=1)
     assert "CompiledFunctionBackward" in rt.stats()["graph_breaks_by_class"]
     assert rt.stats()["eager_fallbacks"] == 0
 
@@ -163,28 +172,6 @@ def test_hooked_leaves_cut_the_backward_so_their_hooks_run_before_the_rest():
     assert kinds.count("region") >= 2, kinds
 
 
-def _grads_both(build, params, backend=BK, iters=2):
-    """Grads of ``build()`` under eager and under vjpgen, ``iters`` times each (the second
-    vjpgen call of a structure takes the cache-hit path)."""
-    out = []
-    for use in (False, True):
-        per = []
-        for _ in range(iters):
-            for p in params:
-                p.grad = None
-            loss = build()
-            if use:
-                with rt.compiled_autograd(backend=backend):
-                    loss.backward()
-            else:
-                loss.backward()
-            per.append([p.grad.clone() for p in params])
-        out.append(per)
-    for a_it, b_it in zip(*out):
-        for a, b in zip(a_it, b_it):
-            torch.testing.assert_close(b, a)
-
-
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_activation_checkpointing(use_reentrant):
     from torch.utils.checkpoint import checkpoint
@@ -230,12 +217,7 @@ def test_saved_tensor_hooks_unpack_once_per_saved_tensor_as_in_eager():
     for use in (False, True):
         for _ in range(2):  # the second vjpgen call is a cache hit
             counts.append(0)
-            loss = build()
-            if use:
-                with rt.compiled_autograd(backend=BK):
-                    loss.backward()
-            else:
-                loss.backward()
+            _backward(build(), use)
     assert counts[0] > 0 and counts == [counts[0]] * 4, counts
 
 
