@@ -145,8 +145,10 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         # never compile blindly past them
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused,
                       "torch.distributed is initialized and the native helper (which sees C++ hooks) is not built")
-    check_t = hooks.any_tensor_hooks()
-    check_n = hooks.any_node_hooks()
+    # which Python-tracked hooks the walk must look for: only without the native helper, which
+    # reads every node's hooks from C++ during its walk
+    check_t = not native_hooks and hooks.any_tensor_hooks()
+    check_n = not native_hooks and hooks.any_node_hooks()
     wanted = [n for n, _ in targets_edges] if targets_edges is not None else ()
     nodes, metas, hooked, key, index = walk.walk_fast(root_edges, check_t, check_n, wanted)
     root_idx = tuple((index[n], nr) for n, nr in root_edges)

@@ -71,7 +71,8 @@ def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool, want
     gives the tuple form :func:`build_plan` reads), and the input metadata are :class:`EdgeMeta`
     (torch's ``_InputMetadata`` objects for unusual inputs: nested, subclass, symbolic). Given a
     sequence ``wanted``, the index may hold only the roots and those nodes (e.g. the targets of
-    ``grad()``); building it for every node costs a dict entry per node."""
+    ``grad()``); building it for every node costs a dict entry per node. With the native helper
+    the hooks are every node's, read from C++, whatever ``check_*`` say."""
     nat = native.module()
     if nat is None:
         return walk(root_edges, check_tensor_hooks, check_node_hooks)
