@@ -261,10 +261,7 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
             for t in targets:
                 if t is not None and infos[t[0]].is_acc and t in slot_of and t[0] not in live_acc:
                     p.acc_sinks.append((t[0], slot_of[t]))
-    p.live_acc_bytes = {}
-    for i in live_acc:
-        m = metas[i][0] if metas[i] else None
-        p.live_acc_bytes[i] = _nbytes(m)
+    p.live_acc_bytes = {i: _nbytes(metas[i][0] if metas[i] else None) for i in live_acc}
 
     # execution order: dependency counting over needed nodes, ready queue by sequence number
     run = [i for i in range(N) if needed[i]]
@@ -320,7 +317,7 @@ def _segments(p: Plan) -> dict:
     k = 0
     acc_bytes = 0
     cap = FIRST_HOOKED_LEAF_BYTES
-    live_acc = getattr(p, "live_acc_bytes", None) or {}
+    live_acc = p.live_acc_bytes
     for i in p.order:
         seg[i] = k
         if i in live_acc:
