@@ -15,7 +15,11 @@ conventions (ints to ``torch.dtype`` / ``torch.layout``, packed ``TypeAndSize`` 
 ``TensorOptions`` / ``TensorGeometry`` tuples to :mod:`vjpgen.runtime.types`, lists to tuples).
 Each such graph node is tagged ``node.meta["vjpgen_node"] = <node class>``. torch.compile's
 AOTAutograd traces the call into plain aten ops, with its own shape guards, so the graph its
-backend (aot_eager, Inductor) compiles holds vjpgen's formulas as aten ops.
+backend (aot_eager, Inductor) compiles holds vjpgen's formulas as aten ops, each tagged
+``node.meta["custom"]["vjpgen_node"] = <node class>`` (``torch.fx.traceback.annotate``; read it with
+:func:`node_tag`), the ``sum_to`` / cast compiled autograd's output validation adds for that node
+included. Untagged there: compiled autograd's own steps (summing grads that meet at one input,
+AccumulateGrad). :func:`recording_backend` collects those aten graphs.
 
 Why not trace the kernel into the captured graph directly: compiled autograd captures with every
 size symbolic, its shape guards suppressed, and the grads flowing between nodes as placeholder
@@ -30,17 +34,23 @@ count of packed values that does not match ``SAVED``). :func:`compiled_autograd_
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections import Counter
 
 import torch
+import torch.fx.traceback as fx_traceback
 
 from .types import TensorGeometry, TensorOptions, TypeAndSize
 
 log = logging.getLogger("vjpgen")
 
+#: Key of the node-class tag: ``node.meta["vjpgen_node"]`` on compiled autograd's graph, and
+#: ``node.meta["custom"]["vjpgen_node"]`` on every aten node AOTAutograd traces from the kernel.
+TAG = "vjpgen_node"
+
 __all__ = ["set_compiled_autograd_kernels", "compiled_autograd_kernels_enabled", "compiled_autograd_kernel_stats",
-           "reset_compiled_autograd_kernel_stats", "convert_packed"]
+           "reset_compiled_autograd_kernel_stats", "convert_packed", "recording_backend", "node_tag"]
 
 # c10::ScalarType codes as the packer hands them (c10/core/ScalarType.h); codes not listed keep torch's kernel.
 _DTYPES = {
@@ -209,8 +219,15 @@ def _opaque_op(name: str, mod):
     op_name = f"vjpgen_{name}"
     if not hasattr(ops, op_name):
 
-        def kernel(grads, *args, _mod=mod):
-            return _mod.apply_functional_ivalue(list(grads), convert_packed(_mod, args))
+        tag = {TAG: name}
+
+        def kernel(grads, *args, _mod=mod, _tag=tag):
+            # Traced by AOTAutograd (make_fx) when torch.compile compiles the captured graph: every
+            # aten node it records here gets node.meta["custom"][TAG] = <node class>. Dynamo hands
+            # AOTAutograd compiled autograd's graph behind a wrapper module, so node meta is not
+            # preserved by AOTAutograd itself there; the kernel turns it on for its own ops.
+            with fx_traceback.preserve_node_meta(), fx_traceback.annotate(_tag):
+                return _mod.apply_functional_ivalue(list(grads), convert_packed(_mod, args))
 
         ops.add(op_name, kernel, False, True)
     return ops.get(op_name)
@@ -235,9 +252,46 @@ def _apply_functional(self, name, grads, args, output_metadata, _orig):
     res = self.proxy_call(_opaque_op(name, mod), (grads, *args), output_metadata)
     n = before.next
     while n is not graph._root:
-        n.meta["vjpgen_node"] = name
+        n.meta[TAG] = name
         n = n.next
     _stats.vjpgen[name] += 1
+    return res
+
+
+def _tagged_validate_op():
+    """``ops.vjpgen_validate_outputs(tag, outputs, *args)``: torch's ``ops.validate_outputs`` with
+    the aten ops it adds (a ``sum_to`` of a broadcast grad, a dtype cast) tagged like the kernel's."""
+    from torch._dynamo.compiled_autograd import ops
+
+    op_name = "vjpgen_validate_outputs"
+    if not hasattr(ops, op_name):
+
+        def validate(tag, outputs, *args):
+            with fx_traceback.preserve_node_meta(), fx_traceback.annotate({TAG: tag}):
+                return ops.validate_outputs(outputs, *args)
+
+        ops.add(op_name, validate, False, True)
+    return ops.get(op_name)
+
+
+def _validate_outputs(self, unused, outputs, args, output_metadata, _orig):
+    if not _enabled:
+        return _orig(self, unused, outputs, args, output_metadata)
+    graph = self.fx_tracer.graph
+    before = next(reversed(graph.nodes))
+    res = _orig(self, unused, outputs, args, output_metadata)
+    # compiled autograd validates a node's outputs right after its kernel call: when that call
+    # was one of vjpgen's, the validation belongs to the same node class.
+    node = before.next
+    if node is graph._root or getattr(node.target, "__name__", "") != "validate_outputs" or not node.args:
+        return res
+    produced = [a for a in node.args[0] if isinstance(a, torch.fx.Node)]
+    tags = {p.args[0].meta.get(TAG) if p.target is operator.getitem else None for p in produced}
+    if len(tags) == 1 and None not in tags:
+        tag = tags.pop()
+        node.target = _tagged_validate_op()
+        node.args = (tag, *node.args)
+        node.meta[TAG] = tag
     return res
 
 
@@ -253,8 +307,15 @@ def _install() -> None:
         def apply_functional(self, name, grads, args, output_metadata):
             return _apply_functional(self, name, grads, args, output_metadata, orig)
 
+        orig_validate = ca.AutogradCompilerInstance.validate_outputs
+
+        def validate_outputs(self, unused, outputs, args, output_metadata):
+            return _validate_outputs(self, unused, outputs, args, output_metadata, orig_validate)
+
         apply_functional.__doc__ = orig.__doc__
+        validate_outputs.__doc__ = orig_validate.__doc__
         ca.AutogradCompilerInstance.apply_functional = apply_functional
+        ca.AutogradCompilerInstance.validate_outputs = validate_outputs
         _installed = True
 
 
@@ -322,3 +383,52 @@ def reset_compiled_autograd_kernel_stats() -> None:
     """Zero :func:`compiled_autograd_kernel_stats` (and log each class again)."""
     _stats.reset()
     _logged.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# seeing the aten graph
+
+
+def node_tag(node: torch.fx.Node) -> str | None:
+    """The node class a graph node came from, or None: ``meta["vjpgen_node"]`` on compiled
+    autograd's graph and vjpgen's own captures, ``meta["custom"]["vjpgen_node"]`` on the aten graph
+    AOTAutograd traces from vjpgen's kernels."""
+    tag = node.meta.get(TAG)
+    if tag is None:
+        custom = node.meta.get("custom")
+        if isinstance(custom, dict):
+            tag = custom.get(TAG)
+    return tag
+
+
+def recording_backend(backend: str, graphs: list):
+    """A ``torch.compile`` backend that compiles like ``backend`` and appends to ``graphs`` each
+    aten graph (``torch.fx.GraphModule``) it hands its compiler.
+
+    ``backend``: ``"aot_eager"`` (the aten graph after AOTAutograd, run as it is) or ``"inductor"``
+    (the aten graph after Inductor's decompositions, compiled by Inductor). Used as compiled
+    autograd's compiler (``compiled_autograd._enable(torch.compile(backend=recording_backend(...)))``)
+    it shows vjpgen's formulas as plain aten ops, each tagged (:func:`node_tag`) with its node class.
+    Raises ValueError for another backend.
+    """
+    if backend == "aot_eager":
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        def record(gm, example_inputs):
+            graphs.append(gm)
+            return make_boxed_func(gm.forward)
+
+        return aot_autograd(fw_compiler=record, bw_compiler=record)
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner(gm, example_inputs, **kwargs):
+            graphs.append(gm)
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+        def inductor(gm, example_inputs):
+            return compile_fx(gm, example_inputs, inner_compile=inner)
+
+        return inductor
+    raise ValueError(f"recording_backend: backend {backend!r} is not 'aot_eager' or 'inductor'")

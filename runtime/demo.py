@@ -11,8 +11,8 @@ the optimizer then steps on vjpgen's grads. Prints a table per model.
 Then (``--ca-backend``, default aot_eager; ``none`` skips it) the MLP, CNN and transformer train a
 few steps with torch's own compiled autograd (``torch._dynamo.compiled_autograd``, the captured
 backward compiled by ``torch.compile``) with ``vjpgen.runtime.set_compiled_autograd_kernels(True)``:
-grads compared with eager's, and the MLP's captured backward graph printed, each node with the
-node class it came from.
+grads compared with eager's, and the MLP's captured backward printed as the aten graph the backend
+compiles, each op tagged with the node class it came from.
 """
 
 from __future__ import annotations
@@ -226,7 +226,8 @@ def train_compiled_autograd(name, steps=3, backend="aot_eager", device="cpu"):
     Each step: eager forward, eager grads (``torch.autograd.grad``, retain_graph), then
     ``loss.backward()`` under ``torch._dynamo.compiled_autograd._enable`` with the captured graph
     compiled by ``torch.compile(backend=backend)``. Returns (max |grad - eager grad|, the first
-    captured graph, ``compiled_autograd_kernel_stats()``).
+    graph handed to the backend: the aten graph AOTAutograd traced for ``aot_eager`` / ``inductor``,
+    compiled autograd's own graph for ``eager``, ``compiled_autograd_kernel_stats()``).
     """
     from torch._dynamo import compiled_autograd as ca
 
@@ -234,10 +235,14 @@ def train_compiled_autograd(name, steps=3, backend="aot_eager", device="cpu"):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.01)
     graphs = []
+    if backend == "eager":
 
-    def compiler(gm):
-        graphs.append(gm)
-        return torch.compile(gm, backend=backend)
+        def compiler(gm):
+            graphs.append(gm)
+            return gm
+
+    else:
+        compiler = torch.compile(backend=rt.ca_kernels.recording_backend(backend, graphs))
 
     torch._C._dynamo.compiled_autograd.clear_cache()
     rt.reset_compiled_autograd_kernel_stats()
@@ -258,15 +263,17 @@ def train_compiled_autograd(name, steps=3, backend="aot_eager", device="cpu"):
 
 
 def format_tagged_graph(gm) -> str:
-    """One line per call in a compiled-autograd graph: the node class it came from, then the call."""
+    """One line per call in a backward graph: the node class it came from, then the call.
+
+    Untagged lines are compiled autograd's own steps (grad accumulation, validating outputs)."""
     lines = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue
         if getattr(n.target, "__name__", "") == "unwrap_maybe_dynamic_int":
             continue  # compiled autograd's size inputs
-        tag = n.meta.get("vjpgen_node", "")
-        target = getattr(n.target, "__name__", str(n.target))
+        tag = rt.ca_kernels.node_tag(n) or ""
+        target = str(n.target) if isinstance(n.target, torch._ops.OpOverload) else getattr(n.target, "__name__", str(n.target))
         args = ", ".join(str(a) for a in n.args if isinstance(a, torch.fx.Node))
         lines.append(f"  {tag:<24} {n.name} = {target}({args[:70]})")
     return "\n".join(lines)
@@ -325,7 +332,8 @@ def main(argv=None) -> int:
                 ok = False
                 print(f"  MISMATCH: {name} grads under compiled autograd differ from eager by {diff:.3e}")
             if name == "mlp" and gm is not None:
-                print("\n  the MLP's captured backward graph (node class | call):")
+                what = "compiled autograd's graph" if a.ca_backend == "eager" else "the aten graph its backend compiles"
+                print(f"\n  the MLP's captured backward, {what} (node class | call):")
                 print(format_tagged_graph(gm))
                 print()
     print("\nall gradients match eager" if ok else "\nSOME GRADIENTS DO NOT MATCH")

@@ -6,6 +6,7 @@ on must equal eager's; classes that cannot be served keep torch's kernel and are
 
 import dataclasses
 import logging
+import operator
 
 import pytest
 import torch
@@ -125,11 +126,12 @@ def test_converted_packed_stack_equals_get_state(monkeypatch):
 def test_grads_equal_eager_and_every_class_bound(backend):
     x, w, idx = _inputs()
     ref = torch.autograd.grad(_graph(x, w, idx), [x, w])
-    graphs = []
+    graphs, aten_graphs = [], []
+    recording = ca_kernels.recording_backend("aot_eager", aten_graphs)
 
     def compiler(gm):
         graphs.append(gm)
-        return gm if backend == "eager" else torch.compile(gm, backend="aot_eager", fullgraph=False)
+        return gm if backend == "eager" else torch.compile(gm, backend=recording, fullgraph=False)
 
     with rt.set_compiled_autograd_kernels(True), ca._enable(compiler):
         x.grad = w.grad = None
@@ -143,6 +145,18 @@ def test_grads_equal_eager_and_every_class_bound(backend):
     assert set(s["vjpgen"]) <= tags
     targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     assert not any(t.endswith("ops.MulBackward0") for t in targets), targets  # torch's kernel not called
+    if backend == "aot_eager":
+        # the graph the backend compiles: plain aten ops, vjpgen's tagged with their node class;
+        # untagged: compiled autograd's own grad accumulation (add) and AccumulateGrad steps
+        calls = [n for g in aten_graphs for n in g.graph.nodes
+                 if n.op == "call_function" and n.target is not operator.getitem
+                 and isinstance(n.meta.get("val"), torch.Tensor)]  # not size arithmetic
+        assert calls and all(isinstance(n.target, torch._ops.OpOverload) for n in calls), calls
+        tagged = {ca_kernels.node_tag(n) for n in calls} - {None}
+        assert tagged <= set(s["vjpgen"])
+        assert {"MulBackward0", "AddmmBackward0", "AsStridedBackward0", "CatBackward0", "IndexPutBackward0"} <= tagged
+        untagged = {str(n.target) for n in calls if ca_kernels.node_tag(n) is None}
+        assert untagged <= {"aten.add.Tensor", "aten.new_empty_strided.default", "aten.copy.default"}, untagged
 
 
 def test_unmappable_class_keeps_torch_kernel(monkeypatch, caplog):
