@@ -233,6 +233,11 @@ def _opaque_op(name: str, mod):
     return ops.get(op_name)
 
 
+def _last(graph: torch.fx.Graph) -> torch.fx.Node:
+    """The graph's last node (``reversed(graph.nodes)`` is an iterator on torch 2.13, a list view on 2.12)."""
+    return next(iter(reversed(graph.nodes)))
+
+
 def _apply_functional(self, name, grads, args, output_metadata, _orig):
     if not _enabled:
         return _orig(self, name, grads, args, output_metadata)
@@ -248,7 +253,7 @@ def _apply_functional(self, name, grads, args, output_metadata, _orig):
         _note("torch_kernel", name, f"packed value cannot be converted: {e}")
         return _orig(self, name, grads, args, output_metadata)
     graph = self.fx_tracer.graph
-    before = next(reversed(graph.nodes))
+    before = _last(graph)
     res = self.proxy_call(_opaque_op(name, mod), (grads, *args), output_metadata)
     n = before.next
     while n is not graph._root:
@@ -278,7 +283,7 @@ def _validate_outputs(self, unused, outputs, args, output_metadata, _orig):
     if not _enabled:
         return _orig(self, unused, outputs, args, output_metadata)
     graph = self.fx_tracer.graph
-    before = next(reversed(graph.nodes))
+    before = _last(graph)
     res = _orig(self, unused, outputs, args, output_metadata)
     # compiled autograd validates a node's outputs right after its kernel call: when that call
     # was one of vjpgen's, the validation belongs to the same node class.
