@@ -202,12 +202,14 @@ def _note(kind: str, name: str, why: str) -> None:
 
 
 def _module_for(name: str):
-    from vjpgen.generated import MODULES, get_module
+    from vjpgen.generated import get_module
 
-    if name not in MODULES:
-        return None, "no generated module"
+    # get_module serves the package of the installed torch release (a regenerated one when that is
+    # not generated/'s release) and None for a class its verify pass left to the live node
     mod = get_module(name)
-    if mod is None or not getattr(mod, "TRANSLATED", False):
+    if mod is None:
+        return None, "no generated module for this torch release, or its module failed verification (served live)"
+    if not getattr(mod, "TRANSLATED", False):
         return None, "formula not translated"
     return mod, ""
 

@@ -4,10 +4,12 @@
    ``vjpgen.runtime.versions``), with the quick conformance pass that follows it;
 2. how many of its formulas translated;
 3. the op_db conformance (CPU, float64, every sample) against the live nodes, through the runtime;
-4. whether the native helper builds.
+4. torch's compiled autograd with vjpgen's kernels (``set_compiled_autograd_kernels``) against
+   torch's own kernels, over the first 2 float64 samples of every op;
+5. whether the native helper builds.
 
-Prints one row of README's release table and exits 1 on a mismatch, an unexpected error, an
-untranslated formula or a failed native build. (``make test-torch`` runs the demo after it.)
+Prints one row of README's release table and exits 1 on a mismatch (of either comparison), an
+unexpected error, an untranslated formula or a failed native build. (``make test-torch`` runs the demo after it.)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def main() -> int:
     from vjpgen.runtime import native, versions
     from vjpgen.runtime.verify import ALLOWED, MISMATCHED, RAISED
 
-    from tests.conformance import run, summarize
+    from tests.conformance import run, run_compiled_autograd, summarize
 
     release = installed_torch_version()
     print(f"release check: torch {torch.__version__}; generated/ is for torch {generated.TORCH_VERSION}")
@@ -67,20 +69,35 @@ def main() -> int:
     print(f"op_db conformance (float64, all samples, {time.perf_counter() - t1:.0f}s): {json.dumps(s)}")
     for line in bad[:20]:
         print("  " + line)
+    t3 = time.perf_counter()
+    ca_results, ca_stats = run_compiled_autograd()
+    ca_bad = sorted(
+        f"{n}: {reason}" for n, r in ca_results.items() for reason in r.reasons
+        if reason.startswith(MISMATCHED) or reason.startswith(RAISED)
+    )
+    print(
+        f"compiled autograd, torch's kernels vs vjpgen's (float64, 2 samples, {time.perf_counter() - t3:.0f}s): "
+        f"{len(ca_results)} classes reached, {len(ca_stats['vjpgen'])} bound to vjpgen's kernel, "
+        f"{len(ca_stats['torch_kernel'])} kept torch's, {len(ca_bad)} mismatched or raised"
+    )
+    for line in ca_bad[:20]:
+        print("  " + line)
     clamp_ok = _clamp_ties_end_to_end()
     t2 = time.perf_counter()
     built = native.module() is not None
     print(f"native helper: {'built' if built else 'NOT built'} ({time.perf_counter() - t2:.0f}s)")
     print(
         "\n| release | formulas translated | classes verified (quick pass) | live-only | op_db classes verified "
-        "| mismatches | native helper |\n| --- | --- | --- | --- | --- | --- | --- |"
+        "| mismatches | compiled autograd: classes on vjpgen's kernels, mismatched or raised | native helper |"
+        "\n| --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     print(
         f"| {release} | {modules - len(untranslated)} / {modules} | {report['classes_verified']} / "
         f"{report['classes_reached']} | {len(report['live_only'])} | {s['generated_classes_verified']} / "
-        f"{s['generated_classes_reached']} | {s[MISMATCHED]} | {'built' if built else 'not built'} |"
+        f"{s['generated_classes_reached']} | {s[MISMATCHED]} | {len(ca_stats['vjpgen'])}, {len(ca_bad)} | "
+        f"{'built' if built else 'not built'} |"
     )
-    return 0 if not (bad or untranslated or not built or report["live_only"] or not clamp_ok) else 1
+    return 0 if not (bad or ca_bad or untranslated or not built or report["live_only"] or not clamp_ok) else 1
 
 
 def _clamp_ties_end_to_end() -> bool:
