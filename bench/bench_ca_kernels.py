@@ -147,7 +147,8 @@ def bench_model(name, backend, rounds, log):
     res["graphs_identical"] = graphs["torch"] == graphs["vjpgen"]
     res["graph_nodes"] = sum(len(g) for g in graphs["vjpgen"])
     log(f"  [{name}] steady ms torch {res['steady_ms']['torch']:.2f}, vjpgen {res['steady_ms']['vjpgen']:.2f} "
-        f"({res['steady_ratio']:.2f}x); first {res['first_ratio']:.2f}x; backend graphs identical: {res['graphs_identical']}")
+        f"({res['steady_ratio']:.2f}x); first {res['first_ratio']:.2f}x; "
+        f"backend graphs identical: {res['graphs_identical']}")
     return res
 
 

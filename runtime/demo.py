@@ -273,7 +273,9 @@ def format_tagged_graph(gm) -> str:
         if getattr(n.target, "__name__", "") == "unwrap_maybe_dynamic_int":
             continue  # compiled autograd's size inputs
         tag = rt.ca_kernels.node_tag(n) or ""
-        target = str(n.target) if isinstance(n.target, torch._ops.OpOverload) else getattr(n.target, "__name__", str(n.target))
+        target = str(n.target)  # aten.mm.default; compiled autograd's ops by their name
+        if not isinstance(n.target, torch._ops.OpOverload):
+            target = getattr(n.target, "__name__", target)
         args = ", ".join(str(a) for a in n.args if isinstance(a, torch.fx.Node))
         lines.append(f"  {tag:<24} {n.name} = {target}({args[:70]})")
     return "\n".join(lines)
