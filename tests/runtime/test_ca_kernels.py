@@ -15,6 +15,7 @@ from torch._dynamo import compiled_autograd as ca
 import vjpgen.runtime as rt
 from vjpgen.generated import get_module
 from vjpgen.runtime import ca_kernels
+from vjpgen.runtime.verify import walk
 
 
 def _eager_compiler(gm):
@@ -41,18 +42,6 @@ def _inputs():
     x = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(4, 5, dtype=torch.float64, generator=g, requires_grad=True)
     return x, w, torch.tensor([0, 2, 5, 2])
-
-
-def _walk(root):
-    seen, out, stack = set(), [], [root]
-    while stack:
-        n = stack.pop()
-        if n is None or id(n) in seen:
-            continue
-        seen.add(id(n))
-        out.append(n)
-        stack.extend(f for f, _ in n.next_functions)
-    return out
 
 
 def _norm(v):
@@ -92,7 +81,7 @@ def test_converted_packed_stack_equals_get_state(monkeypatch):
     x, w, idx = _inputs()
     loss = _graph(x, w, idx)
     expected = {}  # class -> the get_state of each of its nodes (None: get_state cannot read it)
-    for node in _walk(loss.grad_fn):
+    for node in walk([loss.grad_fn]):
         mod = get_module(type(node).__name__)
         if mod is None:
             continue
