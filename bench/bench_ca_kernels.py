@@ -119,7 +119,8 @@ def bench_model(name, backend, rounds, log):
             if cold:
                 first[kind].append(time.perf_counter() - t0)
             diff[kind] = max(diff.get(kind, 0.0), max(float((p.grad - r).abs().max()) for p, r in zip(params, ref)))
-            graphs.setdefault(kind, [canonical(g) for g in seen])
+            if kind not in graphs:
+                graphs[kind] = [canonical(g) for g in seen]
             # steady: cache hits of the graph just compiled (the switch stays as it is: each
             # change clears compiled autograd's cache)
             for _ in range(2):
