@@ -14,7 +14,7 @@ column alike; the table reports medians (and min/max).
   own build generates from the same YAML) with torch's packaged templates.
 
 Both read the same files: torch's packaged derivatives.yaml, native_functions.yaml, tags.yaml
-(vjpgen with ``--overlay ''``; pass ``--overlay`` to add the repo's derivatives.yaml to vjpgen,
+(vjpgen with ``--repo-overlay ''``; pass ``--overlay`` to add the repo's derivatives.yaml to vjpgen,
 the product default).
 """
 
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="vjpgen-bench-gen-"))
     gen = [py, "-m", "vjpgen", "generate"]
     if not a.overlay:
-        gen += ["--overlay", ""]
+        gen += ["--repo-overlay", ""]
     if a.jobs:
         gen += ["--jobs", str(a.jobs)]
     print(f"bench-generate: torch {torch.__version__}, python {platform.python_version()}, "

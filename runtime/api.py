@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from . import engine, graph_task, hooks, leaves, native, walk
+from . import engine, graph_task, hooks, kernels, leaves, native, walk
 from . import plan as plan_mod
 from . import saved as _saved
 from .sparse import SPARSE_LAYOUTS, leaf_node
@@ -158,7 +158,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
             (index[n], nr) if n in index else None for n, nr in targets_edges
         )
     hooked_sig = tuple(sorted((i, h.describe()) for i, h in hooked.items())) if hooked else ()
-    skey = (key, root_idx, targets, accumulate, hooked_sig, backend)
+    skey = (key, root_idx, targets, accumulate, hooked_sig, backend, kernels.token())
     plan = _PLANS.get(skey)
     if plan is None:
         tkey = key
