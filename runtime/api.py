@@ -10,10 +10,10 @@ import warnings
 
 import torch
 
-from . import capture, engine, graph_task, hooks, kernels, leaves, native, walk
+from . import capture, decide, engine, graph_task, hooks, kernels, leaves, native, walk
 from . import plan as plan_mod
 from . import saved as _saved
-from .sparse import SPARSE_LAYOUTS, leaf_node
+from .sparse import leaf_node
 from .stats import STATS, record_break, record_eager_fallback
 
 log = logging.getLogger("vjpgen")
@@ -122,10 +122,9 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     STATS.backward_calls += 1
-    for t in (*outputs, *(inputs or ())):
-        if isinstance(t, torch.Tensor) and t.layout != torch.strided and t.layout not in SPARSE_LAYOUTS:
-            return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused,
-                          f"{t.layout} tensors are not captured")
+    reason = decide.call_fallback((*outputs, *(inputs or ())))
+    if reason is not None:
+        return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, reason)
     grads = _make_grads(outputs, grad_outputs)
     root_edges = [_gradient_edge(t, "tensors", i) for i, t in enumerate(outputs)]
 

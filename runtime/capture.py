@@ -189,6 +189,12 @@ def fakeify(tensors, ints, dyn_dims, dyn_ints):
         ctx = StatelessSymbolicContext(
             dynamic_sizes=[DimDynamic.DYNAMIC if d in dd else DimDynamic.STATIC for d in range(t.dim())]
         )
+        if t._is_view() and (t.is_complex() or t._base.is_complex()):
+            # a complex view of a real tensor or the reverse (view_as_complex / view_as_real, as
+            # rotary embeddings save them): the fake tensor is made from a non-view alias, since
+            # replaying the view from its base under this symbolic context asked view_as_complex
+            # for a last dimension of size 2 where the base has another
+            t = t.detach()
         # no source for 0-dim tensors: with one, FakeTensorMode turns wrapped numbers into SymFloats
         src = LocalSource(f"t{i}") if t.dim() else None
         fakes.append(mode.from_tensor(t, symbolic_context=ctx if t.dim() else None, source=src))

@@ -25,9 +25,10 @@ import time
 
 import torch
 
-from . import capture, fastpath, native, sparse
+from . import capture, decide, fastpath, native
 from . import saved as _saved
 from .cache import Compiled, find, make_guard
+from .call_context import CallContext  # noqa: F401 - the API builds it through engine
 from .leaves import accumulate_leaves
 from .live import _run_live, _run_live_leaves
 from .plan import Plan, Region, _partition
@@ -273,7 +274,7 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
                     raise RuntimeError(
                         f"{info.name}.apply_functional returned {len(outs)} grads for {len(info.edges)} edges"
                     )
-                sparse.check_traced_outputs(outs)
+                decide.check_traced_outputs(outs)
             except Exception as e:
                 raise _NodeTraceError(i, e) from e
             for (j, s, d, nr), (shape, dtype, device) in zip(info.out, emeta):
@@ -323,19 +324,6 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
     )
 
 
-class CallContext:
-    """Per-call state shared with the sinks."""
-
-    __slots__ = ("protected", "graphs", "backend", "release", "acc_final")
-
-    def __init__(self, backend, release: bool = False):
-        self.protected = set()
-        self.graphs = None
-        self.backend = backend
-        self.release = release  # no retain_graph: free saved tensors as the nodes run
-        self.acc_final = None  # the acc sinks left for accumulate_leaves (set by execute)
-
-
 def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
     """A node of ``region`` cannot be traced: it becomes a graph break in the plan (for later calls)
     and this call runs the region's nodes one by one, eagerly."""
@@ -363,12 +351,13 @@ def _mark_live(plan: Plan, reasons: dict) -> None:
     _partition(plan)
 
 
-def _sparse_break(region, plan, nodes, metas, buf, ctx) -> None:
-    """A region met sparse tensors: its nodes that touch them become graph breaks (later calls
-    compile the dense rest) and this call runs the region's nodes one by one."""
-    reasons = sparse.live_reasons(region, plan, nodes, buf)
-    if not reasons:  # a sparse tensor no node claims (never a wrong grad: the whole region runs live)
-        reasons = {i: "sparse tensor among the region's inputs" for i in region.nodes}
+def _guard_break(region, plan, nodes, metas, buf, ctx) -> None:
+    """A region met tensors a compiled region cannot hold (sparse, subclass, nested; see
+    :mod:`vjpgen.runtime.decide`): its nodes that touch them become graph breaks (later calls
+    compile the rest) and this call runs the region's nodes one by one."""
+    reasons = decide.region_reasons(region, plan, nodes, buf)
+    if not reasons:  # a tensor no node claims (never a wrong grad: the whole region runs live)
+        reasons = {i: "sparse, subclass or nested tensor among the region's inputs" for i in region.nodes}
     _mark_live(plan, reasons)
     if ctx.graphs is not None:
         ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
@@ -390,8 +379,8 @@ def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallC
             raise e.exc from None  # this graph was freed by an earlier backward: not a graph break
         _break_region(e, region, plan, nodes, metas, buf, ctx, "get_state")
         return None, None, None
-    if sparse.any_sparse(T):  # a compiled region holds dense tensors only (sparse.py)
-        _sparse_break(region, plan, nodes, metas, buf, ctx)
+    if decide.region_guard(T):  # the per-call guard: dense, plain tensors only (decide.py)
+        _guard_break(region, plan, nodes, metas, buf, ctx)
         return None, None, None
     compiled, fk = region.cache.lookup(S, T, I)
     if compiled is None:
@@ -552,7 +541,7 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
     """Run the plan; returns the slot buffer."""
     buf = [None] * plan.nslots
     if plan.layout_leaves:
-        reasons = sparse.check_layout_leaves(plan, nodes)
+        reasons = decide.layout_leaf_reasons(plan, nodes)
         if reasons:
             _mark_live(plan, reasons)
     # the root grads are validated against the root edges (engine::execute)

@@ -12,7 +12,7 @@ from . import hooks, native, sparse
 from .plan import Plan
 
 if TYPE_CHECKING:
-    from .engine import CallContext
+    from .call_context import CallContext
 
 _strided = torch.strided
 

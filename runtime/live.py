@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from . import capture, hooks, native, sparse
+from . import capture, decide, hooks, native
 from . import saved as _saved
 from .plan import Plan
 from .release import release_nodes
@@ -18,7 +18,7 @@ from .stats import STATS
 from .walk import NativeHooks
 
 if TYPE_CHECKING:
-    from .engine import CallContext
+    from .call_context import CallContext
 
 log = logging.getLogger("vjpgen")
 
@@ -78,7 +78,7 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
             grads = hooks.run_node_pre_hooks(h.pre, grads)
     mode = info.live[0] if info.live is not None else "module"
     outs = None
-    if mode == "module" and info.module is not None and not sparse.any_sparse(grads):
+    if mode == "module" and info.module is not None and not decide.unsupported_grads(grads):
         try:
             state = _saved.state(info.module, node, info.sc.__getitem__ if info.sc is not None else None)
             outs = list(info.module.apply_functional_ivalue(list(grads), state))

@@ -11,8 +11,7 @@ import logging
 
 import torch
 
-from . import capture, custom_function, kernels, sparse
-from . import saved as _saved
+from . import capture, decide, kernels
 from .cache import RegionCache
 from .release import raw_saved_names
 from .walk import NativeHooks
@@ -108,19 +107,13 @@ class Plan:
 
 
 def _module_for(info: NodeInfo):
+    """The module a node's kernel comes from (None for AccumulateGrad and when there is none);
+    whether it is used is :mod:`vjpgen.runtime.decide`'s to say."""
     if info.is_acc:
-        return None, None
+        return None
     if info.pyfunc:
-        m = custom_function.module_for(info.cls)
-        if m is None:
-            return None, ("node", "custom autograd.Function without its own backward")
-        return m, None
-    m = _get_module(info.name)
-    if m is None:
-        return None, ("node", "no generated module")
-    if not getattr(m, "TRANSLATED", True):
-        return m, ("node", "formula not translated")
-    return m, None
+        return decide.custom_function_module(info.cls)
+    return _get_module(info.name)
 
 
 def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: bool) -> Plan:
@@ -128,14 +121,16 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
     p = Plan()
     N = len(nodes)
     infos = p.infos
+    hooked = hooked or {}
     for i, (cls, nin, edges) in enumerate(key):
         info = NodeInfo(cls, nin, edges)
-        info.module, info.live = _module_for(info)
+        info.module = _module_for(info)
         if info.module is not None:
             info.get_saved = getattr(info.module, "get_saved", None)
             info.uses_meta = getattr(info.module, "USES_EDGE_META", True)
-        if hooked and i in hooked and not info.is_acc:
-            info.live = ("node", hooked[i].describe())
+        reason = decide.node_reason(decide.NodeView(info, i, nodes[i], metas, hooked))
+        if reason is not None:
+            info.live = ("node", reason)
         if info.module is not None and info.live is None:
             schema = getattr(info.module, "SCHEMA", ())
             info.sym_flags = tuple(capture._sym_schema(s) for s in schema)
@@ -143,15 +138,6 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
             info.saved_names = tuple(getattr(info.module, "SAVED", ())) or tuple(
                 f"saved{k}" for k in range(len(schema))
             )
-        if info.pyfunc and info.live is None and info.module is not None:
-            # a ctx that holds objects (FSDP2's param group, DDP's reducer) makes the backward
-            # live: known now, so the plan places live steps and leaf accumulation around it
-            try:
-                _saved.saved(info.module, nodes[i])
-            except NotImplementedError as e:
-                info.live = ("node", f"NotImplementedError while get_state: {str(e).splitlines()[0][:200]}")
-            except Exception:  # left to the first call, which breaks the graph there
-                pass
         if info.pyfunc:
             n = nodes[i]
             nvalid = sum(1 for e in edges if e is not None)
@@ -207,6 +193,11 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
             if infos[i].is_acc and isinstance(h, NativeHooks) and (targets is None or (i, 0) in target_set):
                 needed[i] = True
                 infos[i].live = ("node", h.describe())
+                live_acc.add(i)
+    if accumulate:  # leaves decide.RULES runs live (a tensor-subclass or nested leaf): the engine accumulates
+        for i, info in enumerate(infos):
+            if info.is_acc and info.live is not None and (targets is None or (i, 0) in target_set):
+                needed[i] = True
                 live_acc.add(i)
 
     def edge_needed(e):
@@ -277,10 +268,10 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
                 if deps[d] == 0:
                     heapq.heappush(heap, (-nodes[d]._sequence_nr(), d))
     p.order = order
-    for i, reason in sparse.plan_reasons(p, nodes).items():  # the API records them as breaks
+    for i, reason in decide.ordered_reasons(p, nodes).items():  # the API records them as breaks
         infos[i].live = ("node", reason)
     _partition(p)
-    p.layout_leaves = sparse.layout_leaf_nodes(p)
+    p.layout_leaves = decide.leaf_layouts(p)
     return p
 
 

@@ -1,0 +1,16 @@
+"""The state of one backward call shared by its steps and sinks (like the engine's GraphTask)."""
+
+from __future__ import annotations
+
+
+class CallContext:
+    """Per-call state shared with the sinks."""
+
+    __slots__ = ("protected", "graphs", "backend", "release", "acc_final")
+
+    def __init__(self, backend, release: bool = False):
+        self.protected = set()
+        self.graphs = None
+        self.backend = backend
+        self.release = release  # no retain_graph: free saved tensors as the nodes run
+        self.acc_final = None  # the acc sinks left for accumulate_leaves (set by execute)

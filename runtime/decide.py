@@ -1,0 +1,266 @@
+"""How each node of a backward graph runs: compiled, or live with a reason — decided here alone.
+
+When a graph structure is first planned (:func:`vjpgen.runtime.plan.build_plan`), :data:`RULES` —
+an ordered table, the first rule that gives a reason wins — decides for every node either
+"compiled" (traced from its generated kernel into a region) or "live: reason" (the node runs as the
+engine would run it, at a graph break counted in ``stats()``). Execution reads that plan; what can
+only be seen on a call (a sparse or subclass tensor arriving where a dense one was compiled, a leaf
+turned sparse) is checked by the per-call guard below, in the places the engine asks it:
+:func:`region_guard` before a region's general path, :func:`layout_leaf_reasons` when a call starts,
+:func:`check_traced_outputs` while tracing, :func:`call_fallback` before a call is planned.
+
+A live decision is sticky for the structure: a later call with dense tensors runs the node live too
+(the same grads, only not compiled).
+
+Rows (also in the README's "what works with what"):
+
+==================  ====================================================================
+rule                 a node runs live when
+==================  ====================================================================
+hooks                it has hooks (tensor or node, Python or C++; a leaf's are run in the
+                     engine's order by a live AccumulateGrad)
+custom Function      it is an ``autograd.Function`` whose backward cannot be traced (no
+                     backward of its own, a ctx that holds objects)
+no module            no generated module exists for its class (or its release's verify pass
+                     left it live)
+untranslated         its formula could not be translated
+nested               a grad it receives or returns is a nested tensor
+subclass leaf        it is the AccumulateGrad of a tensor-subclass leaf (``__torch_dispatch__``)
+sparse               it saves a sparse tensor, or its formula reads the layout of a sparse leaf
+(per call)           a saved value or a grad it receives is sparse, a tensor subclass or nested
+==================  ====================================================================
+
+Complex views (``view_as_complex`` / ``view_as_real`` saved by rotary embeddings) are compiled:
+:func:`vjpgen.runtime.capture.fakeify` builds their fake tensors from a non-view alias.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from . import custom_function, sparse
+from . import saved as _saved
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_STRIDED = torch.strided
+
+
+class NodeView(NamedTuple):
+    """What a rule sees of one node of a new plan."""
+
+    info: object  # plan.NodeInfo (module already looked up)
+    index: int
+    node: object  # the live autograd node
+    metas: list  # per node index: the input metadata of that node
+    hooked: dict  # node index -> hooks found by the walk
+
+
+def _hooks(v: NodeView):
+    h = v.hooked.get(v.index) if v.hooked else None
+    if h and not v.info.is_acc:
+        return h.describe()
+    return None
+
+
+def _custom_function(v: NodeView):
+    info = v.info
+    if not info.pyfunc:
+        return None
+    if info.module is None:
+        return "custom autograd.Function without its own backward"
+    # a ctx that holds objects (FSDP2's param group, DDP's reducer) makes the backward live: known
+    # now, so the plan places live steps and leaf accumulation around it
+    try:
+        _saved.saved(info.module, v.node)
+    except NotImplementedError as e:
+        return f"NotImplementedError while get_state: {str(e).splitlines()[0][:200]}"
+    except Exception:  # left to the first call, which breaks the graph there
+        pass
+    return None
+
+
+def _no_module(v: NodeView):
+    info = v.info
+    if info.is_acc or info.pyfunc:
+        return None
+    if info.module is None:
+        return "no generated module"
+    return None
+
+
+def _untranslated(v: NodeView):
+    m = v.info.module
+    if m is not None and not v.info.pyfunc and not getattr(m, "TRANSLATED", True):
+        return "formula not translated"
+    return None
+
+
+def _nested(v: NodeView):
+    own = v.metas[v.index]
+    if any(getattr(m, "is_nested_tensor", False) for m in own):
+        return "nested tensor among its grads"
+    for e in v.info.edges:
+        if e is not None:
+            dm = v.metas[e[0]]
+            if e[1] < len(dm) and getattr(dm[e[1]], "is_nested_tensor", False):
+                return "nested tensor among the grads it returns"
+    return None
+
+
+def _subclass_leaf(v: NodeView):
+    if v.info.is_acc:
+        var = getattr(v.node, "variable", None)
+        if var is not None and is_subclass(var):
+            return f"tensor subclass leaf ({type(var).__name__})"
+    return None
+
+
+# (name, rule): the first rule that returns a reason decides; None from all: compiled
+RULES: tuple[tuple[str, Callable[[NodeView], str | None]], ...] = (
+    ("hooks", _hooks),
+    ("custom Function", _custom_function),
+    ("no module", _no_module),
+    ("untranslated", _untranslated),
+    ("nested", _nested),
+    ("subclass leaf", _subclass_leaf),
+)
+
+
+def node_reason(v: NodeView) -> str | None:
+    """The reason node ``v`` runs live, by :data:`RULES`, or None (compiled)."""
+    for _, rule in RULES:
+        r = rule(v)
+        if r is not None:
+            return r
+    return None
+
+
+def ordered_reasons(plan, nodes) -> dict:
+    """The rules that need the plan's execution order (the edges each node's grads flow through):
+    node index -> reason for the traced nodes that save a sparse tensor or read the layout of a
+    sparse leaf (the ``sparse`` row)."""
+    return sparse.plan_reasons(plan, nodes)
+
+
+# ------------------------------------------------------------------------------------------
+# per call
+
+
+def is_subclass(t) -> bool:
+    """Whether ``t`` is a tensor subclass that a compiled region cannot hold (a ``__torch_dispatch__``
+    wrapper such as DTensor or a two-tensor wrapper, or one that overrides ``__torch_function__``);
+    ``nn.Parameter`` and its plain subclasses are not."""
+    tp = type(t)
+    if tp is _Tensor or tp is _Parameter:
+        return False
+    if not isinstance(t, _Tensor):
+        return False
+    return (
+        tp.__torch_dispatch__ is not _Tensor.__torch_dispatch__
+        or (tp.__torch_function__ is not _Tensor.__torch_function__
+            and tp.__torch_function__ is not _Parameter.__torch_function__)
+    )
+
+
+def _kind(t) -> str | None:
+    """Why tensor ``t`` cannot be an input of a compiled region on this call, or None."""
+    if is_subclass(t):
+        return f"tensor subclass ({type(t).__name__})"
+    if sparse._of_sparse(t):
+        return "sparse"
+    if t.is_nested:
+        return "nested"
+    b = t._base
+    if b is not None and b.is_nested:  # values() of a jagged tensor: fake tensors replay it from its base
+        return "view of a nested tensor"
+    return None
+
+
+def _first_kind(values):
+    for v in values:
+        if isinstance(v, _Tensor):
+            k = _kind(v)
+            if k is not None:
+                return k
+        elif isinstance(v, (list, tuple)):
+            k = _first_kind(v)
+            if k is not None:
+                return k
+    return None
+
+
+def region_guard(T) -> bool:
+    """Whether a region's flattened tensors hold one a compiled region cannot (sparse, subclass,
+    nested): then :func:`region_reasons` says which nodes run live."""
+    return _first_kind(T) is not None
+
+
+def region_reasons(region, plan, nodes, buf) -> dict:
+    """Node index -> reason, for the nodes of ``region`` that must run live on this call: a saved
+    value or a received grad that is sparse, a tensor subclass or nested (the sparse layout-read
+    rule included)."""
+    out = {}
+    infos = plan.infos
+    for i in region.nodes:
+        r = sparse.node_reason(plan, i, nodes, buf)
+        if r is None:
+            info = infos[i]
+            for k, s in enumerate(info.in_slots):
+                if s is not None and isinstance(buf[s], _Tensor):
+                    kd = _kind(buf[s])
+                    if kd is not None:
+                        r = f"{kd} grad for output {k}"
+                        break
+            if r is None and info.module is not None:
+                try:
+                    state = _saved.state(info.module, nodes[i], info.sc_get)
+                except Exception:
+                    state = None
+                if state is not None:
+                    kd = _first_kind(state[1:])
+                    if kd is not None:
+                        r = f"{kd} saved value"
+        if r is not None:
+            out[i] = r
+    return out
+
+
+def layout_leaf_reasons(plan, nodes) -> dict:
+    """At the start of a call: the traced nodes whose formula reads the layout of a leaf that is
+    sparse on this call (sparse.check_layout_leaves)."""
+    if not plan.layout_leaves:
+        return {}
+    return sparse.check_layout_leaves(plan, nodes)
+
+
+def check_traced_outputs(outs) -> None:
+    """While tracing: a kernel that returns a sparse grad raises NotImplementedError (the node runs
+    live)."""
+    sparse.check_traced_outputs(outs)
+
+
+def unsupported_grads(grads) -> bool:
+    """Whether a live node's incoming grads rule out running its generated module eagerly."""
+    return sparse.any_sparse(grads)
+
+
+def call_fallback(tensors) -> str | None:
+    """Before a call is planned: the reason the whole call goes to torch.autograd (a layout vjpgen
+    does not capture at all, e.g. mkldnn), or None."""
+    for t in tensors:
+        if isinstance(t, _Tensor) and t.layout != _STRIDED and t.layout not in sparse.SPARSE_LAYOUTS:
+            return f"{t.layout} tensors are not captured"
+    return None
+
+
+def leaf_layouts(plan) -> tuple:
+    """The traced nodes :func:`layout_leaf_reasons` looks at on every call."""
+    return sparse.layout_leaf_nodes(plan)
+
+
+def custom_function_module(cls):
+    """The traceable module of a custom Function's node class, or None."""
+    return custom_function.module_for(cls)
