@@ -176,7 +176,17 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
             walked, _, _, tkey, _ = walk.walk(root_edges, False, False)
             if walked != nodes:
                 raise RuntimeError("vjpgen: the native graph walk disagrees with the Python walk")
-        plan = plan_mod.build_plan(nodes, metas, hooked, tkey, root_idx, targets, accumulate, saved_groups)
+        if native_hooks:
+            plan = plan_mod.build_plan(nodes, metas, hooked, tkey, root_idx, targets, accumulate, saved_groups)
+        else:
+            # without the native helper saved-tensor hooks cannot be seen, and the plan's checks
+            # read saved values (sparse ones, a custom Function's ctx): inside a graph task, as
+            # eager reads them, so torch.utils.checkpoint recomputes a block once (the call's
+            # memo hands those values to its execution)
+            box = []
+            graph_task.run(lambda: box.append(plan_mod.build_plan(
+                nodes, metas, hooked, tkey, root_idx, targets, accumulate, saved_groups)), keep_graph=True)
+            plan = box[0]
         _PLANS[skey] = plan
         STATS.plans += 1
         for st in plan.steps:
