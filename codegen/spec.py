@@ -73,6 +73,10 @@ _TYPES: dict[str, tuple[str, str | None, bool]] = {
 
 # Saved values torch does not expose, recoverable for one node class from what it does expose:
 # (node class, saved name) → (Python expression over `node`, how).
+# C++ types of saved values torch gives Python no getter for that the native helper reads from the
+# node struct (runtime/_native.cpp, "saved state"; TensorGeometry has its own getter, geometry_of)
+_NODE_STRUCT_TYPES = frozenset({"::std::optional<bool>", "std::optional<bool>", "c10::optional<bool>"})
+
 _SPECIAL_RECOVERY = {
     ("SoftmaxBackwardDataBackward0", "input_dtype"): (
         "node._input_metadata[0].dtype",
@@ -239,6 +243,9 @@ class SpecBuilder:
             return _SPECIAL_RECOVERY[(op, name)]
 
         def unrecoverable(why: str) -> tuple[str, str]:
+            if cpp in _NODE_STRUCT_TYPES:  # the native helper reads it from the C++ node
+                return (f"_state.from_node_struct(node, {op!r}, {name!r}, {why!r})",
+                        f"read from the C++ node by the native helper; without it: {why}")
             return f"_state.unrecoverable({op!r}, {name!r}, {why!r})", why
 
         m = re.fullmatch(r"(\w+)\.(scalar_type|options|layout)\(\)|TypeAndSize\((\w+)\)|(\w+)|"
@@ -250,8 +257,9 @@ class SpecBuilder:
             arg = m.group(7)
             if arg not in input_idx:
                 return unrecoverable(f"`{expr}` of a non-differentiable input")
-            return (f"_state.geometry_of(node, nf, ranges[{input_idx[arg]}])",
-                    f"from the leaf tensor behind the `{arg}` edge (AccumulateGrad); raises for a non-leaf")
+            return (f"_state.geometry_of(node, nf, ranges[{input_idx[arg]}], {name!r})",
+                    f"read from the C++ node by the native helper; without it from the leaf tensor "
+                    f"behind the `{arg}` edge (AccumulateGrad), raising for a non-leaf")
         if m.group(5):
             fn, arg = m.group(5), m.group(6)
             if arg not in input_idx:

@@ -7,7 +7,7 @@ Formulas (C++, as in derivatives.yaml):
     self: as_strided_backward(grad, self_geometry, size, stride, storage_offset)
 
 Saved values torch does not expose to Python:
-    self_geometry (TensorGeometry): from the leaf tensor behind the `self` edge (AccumulateGrad); raises for a non-leaf
+    self_geometry (TensorGeometry): read from the C++ node by the native helper; without it from the leaf tensor behind the `self` edge (AccumulateGrad), raising for a non-leaf
 """
 
 import torch
@@ -78,7 +78,7 @@ def get_saved(node, edge_meta=None):
     nf = node.next_functions
     ranges = _RANGES
     return [
-        _state.geometry_of(node, nf, ranges[0]),
+        _state.geometry_of(node, nf, ranges[0], "self_geometry"),
         _state.signed(node._saved_size),
         _state.signed(node._saved_storage_offset),
         _state.signed(node._saved_stride),

@@ -8,8 +8,8 @@ Formulas (C++, as in derivatives.yaml):
     src: grad.contiguous().as_strided_symint(size, stride, storage_offset)
 
 Saved values torch does not expose to Python:
-    self_geometry (TensorGeometry): from the leaf tensor behind the `self` edge (AccumulateGrad); raises for a non-leaf
-    src_geometry (TensorGeometry): from the leaf tensor behind the `src` edge (AccumulateGrad); raises for a non-leaf
+    self_geometry (TensorGeometry): read from the C++ node by the native helper; without it from the leaf tensor behind the `self` edge (AccumulateGrad), raising for a non-leaf
+    src_geometry (TensorGeometry): read from the C++ node by the native helper; without it from the leaf tensor behind the `src` edge (AccumulateGrad), raising for a non-leaf
 """
 
 import torch
@@ -91,9 +91,9 @@ def get_saved(node, edge_meta=None):
     nf = node.next_functions
     ranges = _RANGES
     return [
-        _state.geometry_of(node, nf, ranges[0]),
+        _state.geometry_of(node, nf, ranges[0], "self_geometry"),
         _state.signed(node._saved_size),
-        _state.geometry_of(node, nf, ranges[1]),
+        _state.geometry_of(node, nf, ranges[1], "src_geometry"),
         _state.signed(node._saved_storage_offset),
         _state.signed(node._saved_stride),
     ]

@@ -7,7 +7,7 @@ Formulas (C++, as in derivatives.yaml):
     input: GradMode::is_enabled() ? infinitely_differentiable_native_dropout_backward(grad, result1, (!train.has_value() || !train.value() ? 1 : (p == 1 ? 0.0 : 1.0 / (1.0 - p)))) : native_dropout_backward(grad, result1, (!train.has_value() || !train.value() ? 1 : (p == 1 ? 0.0 : 1.0 / (1.0 - p))))
 
 Saved values torch does not expose to Python:
-    train (bool?): ::std::optional<bool> argument `train` is not exposed by torch
+    train (bool?): read from the C++ node by the native helper; without it: ::std::optional<bool> argument `train` is not exposed by torch
 """
 
 import torch
@@ -89,7 +89,8 @@ def get_saved(node, edge_meta=None):
     """
     return [
         node._saved_p,
-        _state.unrecoverable(
+        _state.from_node_struct(
+            node,
             "NativeDropoutBackward0",
             "train",
             "::std::optional<bool> argument `train` is not exposed by torch",

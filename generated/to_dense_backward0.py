@@ -7,7 +7,7 @@ Formulas (C++, as in derivatives.yaml):
     self: to_dense_backward(grad, self, masked_grad)
 
 Saved values torch does not expose to Python:
-    masked_grad (bool?): ::std::optional<bool> argument `masked_grad` is not exposed by torch
+    masked_grad (bool?): read from the C++ node by the native helper; without it: ::std::optional<bool> argument `masked_grad` is not exposed by torch
 """
 
 import torch
@@ -73,7 +73,8 @@ def get_saved(node, edge_meta=None):
     ``USES_EDGE_META``.
     """
     return [
-        _state.unrecoverable(
+        _state.from_node_struct(
+            node,
             "ToDenseBackward0",
             "masked_grad",
             "::std::optional<bool> argument `masked_grad` is not exposed by torch",

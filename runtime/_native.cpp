@@ -8,7 +8,8 @@
 // namedtuple class with the fields shape, dtype, device, is_nested_tensor, is_cpp_nested_tensor;
 // nodes with equal input metadata share one tuple, see InternedMetas).
 // With `wanted` (a sequence of nodes) the index holds only the roots and the wanted nodes found.
-// With meta_type the walk also returns {index: hook bits} of the nodes that have hooks (hook_flags).
+// With meta_type the walk also returns {index: hook bits} of the nodes that have hooks (hook_flags)
+// and {index: saved_hook_key} of the nodes whose saved tensors have hooks (saved state, below).
 // stealable(grad, var): whether AccumulateGrad may keep grad itself as var.grad.
 // steal_grads(nodes, grads, protected): AccumulateGrad's common case for a batch of leaves.
 // hook_flags(nodes): per node a bit set of the hooks the engine would run around it (C++ and
@@ -16,6 +17,9 @@
 // call_node(node, grads, keep_graph): the engine's call_function for one node: tensor pre-hooks,
 // retains_grad hooks, pre-hooks, the node, validate_outputs, post-hooks.
 // call_leaves(nodes, grads, keep_graph): call_node for a run of AccumulateGrad nodes.
+// saved_value(node, name): a saved value of a generated node that torch gives Python no getter
+// for (TensorGeometry, optional<bool>), read from the node struct (see "saved state" below).
+// saved_hook_key(node): whether the node's saved tensors have hooks (the walk returns it per node).
 // Built on first use by vjpgen/runtime/native.py with torch.utils.cpp_extension.
 
 #include <torch/csrc/Device.h>
@@ -24,6 +28,8 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/generated/Functions.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
 #include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -34,6 +40,9 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <string>
+#include <typeinfo>
 #include <sstream>
 #include <unordered_map>
 #include <vector>
@@ -89,6 +98,214 @@ Py_ssize_t release(pybind11::handle nodes) {
   Py_DECREF(seq);
   return released;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Saved state: one table of the saved-state fields of every generated node class, read from the
+// node structs of torch's torch/csrc/autograd/generated/Functions.h. vjpgen_saved_fields.h is
+// written by vjpgen/runtime/native.py from that header of the torch being built against (one
+// VJPGEN_CLASS row per class). Each field is a pointer to member of Node (a pointer to member of
+// the derived struct, converted), so reading a field is `node->*member` once the node's class is
+// known. What reads it: the saved tensors' hooks (saved_hook_key, in the walk) and the saved values
+// Python cannot see (saved_value). A native gather of saved values per call reads this same table.
+namespace saved_state {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+namespace G = torch::autograd::generated;
+
+enum Kind { kSaved, kSavedList, kGeometry, kOptBool };
+
+struct Field {
+  const char* name;
+  Kind kind;
+  SavedVariable Node::*saved = nullptr;
+  std::vector<SavedVariable> Node::*saved_list = nullptr;
+  at::TensorGeometry Node::*geometry = nullptr;
+  std::optional<bool> Node::*opt_bool = nullptr;
+};
+
+struct ClassFields {
+  const char* cls;
+  std::vector<Field> fields;
+};
+
+inline Field saved_field(const char* n, SavedVariable Node::*m) {
+  Field f{n, kSaved};
+  f.saved = m;
+  return f;
+}
+inline Field saved_list_field(const char* n, std::vector<SavedVariable> Node::*m) {
+  Field f{n, kSavedList};
+  f.saved_list = m;
+  return f;
+}
+inline Field geometry_field(const char* n, at::TensorGeometry Node::*m) {
+  Field f{n, kGeometry};
+  f.geometry = m;
+  return f;
+}
+inline Field opt_bool_field(const char* n, std::optional<bool> Node::*m) {
+  Field f{n, kOptBool};
+  f.opt_bool = m;
+  return f;
+}
+
+#define VJPGEN_SAVED(C, f) saved_field(#f, static_cast<SavedVariable Node::*>(&G::C::f))
+#define VJPGEN_SAVED_LIST(C, f) \
+  saved_list_field(#f, static_cast<std::vector<SavedVariable> Node::*>(&G::C::f))
+#define VJPGEN_GEOMETRY(C, f) geometry_field(#f, static_cast<at::TensorGeometry Node::*>(&G::C::f))
+#define VJPGEN_OPT_BOOL(C, f) opt_bool_field(#f, static_cast<std::optional<bool> Node::*>(&G::C::f))
+#define VJPGEN_CLASS(C, ...) ClassFields{#C, __VA_ARGS__},
+
+const std::vector<ClassFields>& table() {
+  static const std::vector<ClassFields> t = {
+#include "vjpgen_saved_fields.h"
+  };
+  return t;
+}
+
+#undef VJPGEN_SAVED
+#undef VJPGEN_SAVED_LIST
+#undef VJPGEN_GEOMETRY
+#undef VJPGEN_OPT_BOOL
+#undef VJPGEN_CLASS
+
+// The fields of a node's class, or nullptr (no saved state in the table, or not a generated node).
+// Looked up by the node's C++ type (typeid of the object: its vtable, no symbol of the class), the
+// class name only on the first sight of a type.
+const ClassFields* fields_of(Node* fn) {
+  static std::unordered_map<const std::type_info*, const ClassFields*> by_type;
+  const std::type_info* t = &typeid(*fn);
+  auto it = by_type.find(t);
+  if (it != by_type.end()) {
+    return it->second;
+  }
+  static std::unordered_map<std::string, const ClassFields*> by_name = [] {
+    std::unordered_map<std::string, const ClassFields*> m;
+    for (const auto& c : table()) {
+      m.emplace(c.cls, &c);
+    }
+    return m;
+  }();
+  const ClassFields* found = nullptr;
+  auto nt = by_name.find(fn->name());
+  if (nt != by_name.end()) {
+    found = nt->second;
+  }
+  by_type.emplace(t, found);
+  return found;
+}
+
+// The identity of the unpack hook of a saved variable with hooks (the Python function object of
+// saved_tensors_hooks: one per torch.utils.checkpoint frame), 1 for a hook that is not a Python
+// one, 0 without hooks.
+int64_t hook_key(const SavedVariable& v) {
+  if (!v.has_hooks()) {
+    return 0;
+  }
+  try {
+    auto data = v.retrieve_unpack_hook_data();
+    if (!data) {
+      return 1;
+    }
+    PyObject* fn = data->first.release();
+    PyObject* packed = data->second.release();
+    int64_t k = reinterpret_cast<int64_t>(fn);
+    Py_XDECREF(fn);  // the hooks keep the function alive: its address stays its identity
+    Py_XDECREF(packed);
+    return k == 0 ? 1 : k;
+  } catch (const std::exception&) {
+    return 1;
+  }
+}
+
+// The hook key (see hook_key) of the first saved tensor of a node that has hooks, 0 when none
+// has: the saved tensors of a generated node (from the table) or of a custom Function's ctx.
+int64_t saved_hook_key(Node* fn, PyObject* obj) {
+  if (THPFunction_Check(obj)) {
+    for (const auto& v : reinterpret_cast<THPFunction*>(obj)->saved_variables) {
+      if (int64_t k = hook_key(v)) {
+        return k;
+      }
+    }
+    return 0;
+  }
+  const ClassFields* c = fields_of(fn);
+  if (c == nullptr) {
+    return 0;
+  }
+  for (const auto& f : c->fields) {
+    if (f.kind == kSaved) {
+      if (int64_t k = hook_key(fn->*(f.saved))) {
+        return k;
+      }
+    } else if (f.kind == kSavedList) {
+      for (const auto& v : fn->*(f.saved_list)) {
+        if (int64_t k = hook_key(v)) {
+          return k;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+pybind11::object int_or_none(const c10::SymInt& s) {
+  auto v = s.maybe_as_int();
+  if (!v) {
+    throw pybind11::value_error("vjpgen native.saved_value: a symbolic size");
+  }
+  return pybind11::int_(*v);
+}
+
+pybind11::tuple ints(c10::SymIntArrayRef a) {
+  pybind11::tuple t(a.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    t[k] = int_or_none(a[k]);
+  }
+  return t;
+}
+
+// A saved value of a node that Python cannot read: a TensorGeometry as (sizes, strides,
+// storage_offset), an optional<bool> as None/True/False. KeyError when the node's class has no
+// such field in the table (the caller falls back to what Python can see).
+pybind11::object saved_value(pybind11::handle node, const std::string& name) {
+  auto fn = node_of(node.ptr());
+  if (!fn || !torch::autograd::THPCppFunction_Check(node.ptr())) {
+    throw pybind11::key_error(name);
+  }
+  const ClassFields* c = fields_of(fn.get());
+  if (c != nullptr) {
+    for (const auto& f : c->fields) {
+      if (name != f.name) {
+        continue;
+      }
+      if (f.kind == kGeometry) {
+        const at::TensorGeometry& g = fn.get()->*(f.geometry);
+        return pybind11::make_tuple(ints(g.sym_sizes()), ints(g.sym_strides()),
+                                    int_or_none(g.sym_storage_offset()));
+      }
+      if (f.kind == kOptBool) {
+        const std::optional<bool>& b = fn.get()->*(f.opt_bool);
+        if (!b) {
+          return pybind11::none();
+        }
+        return pybind11::bool_(*b);
+      }
+    }
+  }
+  throw pybind11::key_error(name);
+}
+
+int64_t saved_hook_key_py(pybind11::handle node) {
+  auto fn = node_of(node.ptr());
+  if (!fn) {
+    throw pybind11::type_error("vjpgen native.saved_hook_key: expected an autograd node");
+  }
+  return saved_hook_key(fn.get(), node.ptr());
+}
+
+}  // namespace saved_state
 
 // A new reference to the torch.device object of a device (one object per device, kept).
 PyObject* device_object(const c10::Device& d) {
@@ -336,6 +553,7 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
   // second pass over a 10,000-node graph missed the cache on every node)
   pybind11::list metas;
   pybind11::dict hooked;
+  pybind11::dict saved_hooked;  // {index: hook key} of the nodes whose saved tensors have hooks
   const bool with_metas = !meta_type.is_none();
   for (size_t i = 0; i < order.size(); ++i) {
     torch::autograd::Node* fn = order[i];
@@ -347,6 +565,9 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
     }
     PyObject* obj = PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(i));
     if (with_metas) {
+      if (int64_t sk = saved_state::saved_hook_key(fn, obj)) {
+        saved_hooked[pybind11::int_(static_cast<int64_t>(i))] = pybind11::int_(sk);
+      }
       pybind11::object m = pybind11::reinterpret_steal<pybind11::object>(node_metas(fn, obj, meta_type));
       if (PyList_Append(metas.ptr(), m.ptr()) != 0) {
         throw pybind11::error_already_set();
@@ -397,7 +618,7 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
   if (!with_metas) {
     return pybind11::make_tuple(nodes, kb, index);
   }
-  return pybind11::make_tuple(nodes, kb, index, metas, hooked);
+  return pybind11::make_tuple(nodes, kb, index, metas, hooked, saved_hooked);
 }
 
 // Whether AccumulateGrad may keep `grad` itself as `var.grad` (vjpgen.runtime.engine._stealable
@@ -671,7 +892,7 @@ void call_leaves(pybind11::handle nodes, pybind11::handle grads, bool keep_graph
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vjpgen native helpers: release_variables and the graph walk on live autograd nodes";
   m.def("release", &release, "Node::release_variables() on each node of a sequence");
-  m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas, hooked])",
+  m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas, hooked, saved_hooked])",
         pybind11::arg("roots"), pybind11::arg("meta_type") = pybind11::none(),
         pybind11::arg("wanted") = pybind11::none());
   m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen engine.accumulate_leaf)");
@@ -680,5 +901,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("node"), pybind11::arg("grads"), pybind11::arg("keep_graph"));
   m.def("call_leaves", &call_leaves, "call_node for a run of AccumulateGrad nodes, one grad each",
         pybind11::arg("nodes"), pybind11::arg("grads"), pybind11::arg("keep_graph"));
+  m.def("saved_value", &saved_state::saved_value,
+        "a saved value Python cannot read (TensorGeometry as (sizes, strides, offset), optional<bool>)",
+        pybind11::arg("node"), pybind11::arg("name"));
+  m.def("saved_hook_key", &saved_state::saved_hook_key_py,
+        "the unpack hook identity of the node's first saved tensor with hooks, 0 when none has");
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

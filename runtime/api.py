@@ -150,7 +150,16 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     check_t = not native_hooks and hooks.any_tensor_hooks()
     check_n = not native_hooks and hooks.any_node_hooks()
     wanted = [n for n, _ in targets_edges] if targets_edges is not None else ()
-    nodes, metas, hooked, key, index = walk.walk_fast(root_edges, check_t, check_n, wanted)
+    nodes, metas, hooked, key, index, saved_hooked = walk.walk_fast(
+        root_edges, check_t, check_n, wanted, saved_hooks=True)
+    # nodes whose saved tensors have unpack hooks (checkpoint, offloading), grouped by hook in
+    # order of first appearance: the plan cuts regions between groups, and such a call runs in a
+    # graph task (below). The grouping is part of the plan's key: the same structure without
+    # hooks keeps its own plan.
+    saved_groups = None
+    if saved_hooked:
+        ordinal: dict = {}
+        saved_groups = {i: ordinal.setdefault(k, len(ordinal)) for i, k in sorted(saved_hooked.items())}
     root_idx = tuple((index[n], nr) for n, nr in root_edges)
     targets = None
     if targets_edges is not None:
@@ -158,20 +167,26 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
             (index[n], nr) if n in index else None for n, nr in targets_edges
         )
     hooked_sig = tuple(sorted((i, h.describe()) for i, h in hooked.items())) if hooked else ()
-    skey = (key, root_idx, targets, accumulate, hooked_sig, backend, kernels.token())
+    skey = (key, root_idx, targets, accumulate, hooked_sig, backend, kernels.token(),
+            tuple(saved_groups.items()) if saved_groups else None)
     plan = _PLANS.get(skey)
     if plan is None:
         with capture.LOCK:  # threads: one plan per structure (another thread may have just built it)
             plan = _PLANS.get(skey)
             if plan is None:
-                plan = _PLANS[skey] = _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate)
+                plan = _PLANS[skey] = _new_plan(
+                    root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate, saved_groups, native_hooks
+                )
     else:
         plan.hooked = hooked or {}
     if plan.eager_reason is not None:
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason)
 
-    if plan.n_breaks or not plan.ran or not native_hooks:
-        # (the first call of a plan too: a node found untraceable then runs live in this call)
+    if plan.n_breaks or not plan.ran or not native_hooks or saved_groups:
+        # (the first call of a plan too: a node found untraceable then runs live in this call;
+        # and a call whose saved tensors have unpack hooks: they run as in eager, inside the graph
+        # task, so torch.utils.checkpoint recomputes a block once per backward, not per unpack.
+        # Without the native helper the hooks cannot be seen, and every call runs here.)
         plan.ran = True
         # live steps (hooks, custom Functions, nodes without a kernel) run inside a real graph
         # task of torch's engine, so what they expect of it holds: queue_callback (DDP, FSDP2),
@@ -188,13 +203,23 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     return _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused)
 
 
-def _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate):
+def _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate, saved_groups, native_hooks):
     tkey = key
     if type(key) is bytes:  # the native walk's key: the plan reads the tuple form
         walked, _, _, tkey, _ = walk.walk(root_edges, False, False)
         if walked != nodes:
             raise RuntimeError("vjpgen: the native graph walk disagrees with the Python walk")
-    plan = plan_mod.build_plan(nodes, metas, hooked, tkey, root_idx, targets, accumulate)
+    if native_hooks:
+        plan = plan_mod.build_plan(nodes, metas, hooked, tkey, root_idx, targets, accumulate, saved_groups)
+    else:
+        # without the native helper saved-tensor hooks cannot be seen, and the plan's checks
+        # read saved values (sparse ones, a custom Function's ctx): inside a graph task, as
+        # eager reads them, so torch.utils.checkpoint recomputes a block once (the call's
+        # memo hands those values to its execution)
+        box = []
+        graph_task.run(lambda: box.append(plan_mod.build_plan(
+            nodes, metas, hooked, tkey, root_idx, targets, accumulate, saved_groups)), keep_graph=True)
+        plan = box[0]
     STATS.plans += 1
     for st in plan.steps:
         if isinstance(st, plan_mod.LiveStep):

@@ -56,6 +56,7 @@ class NodeView(NamedTuple):
     node: object  # the live autograd node
     metas: list  # per node index: the input metadata of that node
     hooked: dict  # node index -> hooks found by the walk
+    saved_hooks: bool = False  # its saved tensors have unpack hooks (checkpoint): not read at plan time
 
 
 def _hooks(v: NodeView):
@@ -72,7 +73,11 @@ def _custom_function(v: NodeView):
     if info.module is None:
         return "custom autograd.Function without its own backward"
     # a ctx that holds objects (FSDP2's param group, DDP's reducer) makes the backward live: known
-    # now, so the plan places live steps and leaf accumulation around it
+    # now, so the plan places live steps and leaf accumulation around it. Not where the saved
+    # tensors have hooks: reading them here, before the graph task and the node's turn, would run
+    # the hooks out of eager's order (the first call finds out instead)
+    if v.saved_hooks:
+        return None
     try:
         _saved.saved(info.module, v.node)
     except NotImplementedError as e:

@@ -429,8 +429,10 @@ def _miss(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext, S, T,
     else:
         STATS.cache_hits += 1
         compiled.hits += 1
-    # later calls with this S gather through a specialization (before the nodes release their state)
-    fastpath.remember(region, plan, nodes, metas, buf, S)
+    # later calls with this S gather through a specialization (before the nodes release their
+    # state); not where saved tensors have hooks, each of which must run once per call
+    if not region.saved_hooks:
+        fastpath.remember(region, plan, nodes, metas, buf, S)
     return compiled, T, I
 
 

@@ -53,6 +53,15 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
     if ctx.graphs is not None:
         ctx.graphs.append(("live", info.name, None, info.live[1] if info.live else "module called eagerly"))
     grads = [None if s is None else buf[s] for s in info.in_slots]
+    if not info.is_acc:
+        # the node is the only reader of its input slots (unless one is a grad() target): they
+        # let go of the grads now, as the engine moves a node's input buffer into its call, so
+        # a backward that runs long inside the node (a reentrant checkpoint's inner backward) does
+        # not keep them alive
+        keep = plan.target_slots
+        for s in info.in_slots:
+            if s is not None and s not in keep:
+                buf[s] = None
     h = plan.hooked.get(i)
     nat = native.module()
     if nat is not None and (info.live is None or info.live[0] == "node" or type(h) is NativeHooks):

@@ -61,7 +61,7 @@ class NodeInfo:
 class Region:
     __slots__ = (
         "nodes", "in_slots", "out_slots", "out_replace", "out_dest", "cache", "label", "index", "drop_in", "fast",
-        "fast_keys",
+        "fast_keys", "saved_hooks",
     )
 
     def __init__(self, index, nodes):
@@ -76,6 +76,9 @@ class Region:
         self.cache = RegionCache(self.label)
         self.fast: list = []  # specialized gathers (see fastpath): (fn, by_ints, by_meta)
         self.fast_keys: set = set()  # the S each was built for (or failed to build for)
+        # whether saved tensors of its nodes have hooks (Plan.saved_groups): their values are read
+        # once, by the general gather only (a specialized one may read some and give up)
+        self.saved_hooks = False
 
 
 class LiveStep:
@@ -104,6 +107,9 @@ class Plan:
         self.acc_final: list = []  # acc sinks accumulated after the last step
         self.ran = False  # whether a call has executed this plan (see api._run_call)
         self.layout_leaves: tuple = ()  # traced nodes checked for a sparse leaf on every call (sparse.py)
+        # node index -> group of the nodes whose saved tensors have hooks, one group per unpack
+        # hook (a torch.utils.checkpoint block); regions are cut between groups (see _segments)
+        self.saved_groups: dict = {}
 
 
 def _module_for(info: NodeInfo):
@@ -116,9 +122,11 @@ def _module_for(info: NodeInfo):
     return _get_module(info.name)
 
 
-def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: bool) -> Plan:
-    """``targets``: None (backward without inputs) or a list of (node index, input_nr) / None."""
+def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: bool, saved_groups=None) -> Plan:
+    """``targets``: None (backward without inputs) or a list of (node index, input_nr) / None.
+    ``saved_groups``: node index -> group, for the nodes whose saved tensors have hooks."""
     p = Plan()
+    p.saved_groups = saved_groups or {}
     N = len(nodes)
     infos = p.infos
     hooked = hooked or {}
@@ -128,7 +136,7 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
         if info.module is not None:
             info.get_saved = getattr(info.module, "get_saved", None)
             info.uses_meta = getattr(info.module, "USES_EDGE_META", True)
-        reason = decide.node_reason(decide.NodeView(info, i, nodes[i], metas, hooked))
+        reason = decide.node_reason(decide.NodeView(info, i, nodes[i], metas, hooked, i in p.saved_groups))
         if reason is not None:
             info.live = ("node", reason)
         if info.module is not None and info.live is None:
@@ -295,7 +303,8 @@ def _nbytes(m) -> int:
 
 
 def _segments(p: Plan) -> dict:
-    """Node -> segment of the execution order: a new segment starts after the live leaf
+    """Node -> segment of the execution order: a new segment starts where the saved-tensor hooks
+    change (:attr:`Plan.saved_groups`) and after the live leaf
     (AccumulateGrad with hooks) at which the hooked leaves' grads since the last cut reach
     FIRST_HOOKED_LEAF_BYTES (then HOOKED_LEAF_BYTES). Segments run one after another, so the
     hooks of one segment's leaves run before the next segment's region starts."""
@@ -304,7 +313,18 @@ def _segments(p: Plan) -> dict:
     acc_bytes = 0
     cap = FIRST_HOOKED_LEAF_BYTES
     live_acc = p.live_acc_bytes
+    groups = p.saved_groups
+    group = None
     for i in p.order:
+        # a node whose saved tensors have other hooks than those of the nodes before it (the next
+        # checkpoint block) starts a segment: a region reads its saved values just before it runs,
+        # so a checkpoint block is recomputed when its grads are reached, as in eager, and not all
+        # blocks of a region up front
+        g = groups.get(i) if groups else None
+        if g is not None:
+            if group is not None and g != group:
+                k += 1
+            group = g
         seg[i] = k
         if i in live_acc:
             acc_bytes += live_acc[i]
@@ -347,9 +367,11 @@ def _partition(p: Plan) -> None:
         for (_, s, _, _) in infos[i].out:
             producers.setdefault(s, set()).add(i)
     sink_slots = {s for _, s in p.acc_sinks} | {s for s in p.target_slots if s is not None}
+    groups = p.saved_groups
     for step in steps:
         if not isinstance(step, Region):
             continue
+        step.saved_hooks = bool(groups) and any(i in groups for i in step.nodes)
         members = set(step.nodes)
         consumed = []
         for i in step.nodes:

@@ -137,9 +137,12 @@ def plan_reasons(plan, nodes) -> dict:
     the layout of a sparse leaf (the grads are not known yet: those are found on the call). Marking
     them before the first call lets that call compile the dense rest at once."""
     out = {}
+    saved_groups = getattr(plan, "saved_groups", None) or {}
     for i in plan.order:
         info = plan.infos[i]
-        if info.live is None and info.module is not None:
+        # (not a node whose saved tensors have unpack hooks: reading them now would run the hooks
+        # before the graph task and out of eager's order; its region's gather sees them)
+        if info.live is None and info.module is not None and i not in saved_groups:
             r = node_reason(plan, i, nodes, None)
             if r is not None:
                 out[i] = r

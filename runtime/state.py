@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import native
 from .types import TensorGeometry, TensorOptions, TypeAndSize
 
 
@@ -88,19 +89,55 @@ def type_and_size_of(meta) -> TypeAndSize | None:
     return TypeAndSize(tuple(meta.shape), TensorOptions(meta.dtype, meta.device, torch.strided))
 
 
-def geometry_of(node, nf, r: range) -> TensorGeometry | None:
-    """Sizes/strides/offset of an input, read from the leaf behind its edge (None if the edge is
-    invalid); torch exposes no strides for non-leaf inputs, so those raise NotImplementedError."""
+_MISSING = object()
+
+
+def node_struct_value(node, name: str):
+    """The saved value ``name`` as the C++ node struct holds it, read by the native helper
+    (``saved_value``: the one table of saved-state fields in ``_native.cpp``), for the saved values
+    torch gives Python no getter for: a TensorGeometry as :class:`TensorGeometry`, an
+    ``optional<bool>`` as None/bool. ``_MISSING`` where the helper is not built or its table has no
+    such field for the node's class (symbolic sizes included)."""
+    nat = native.module()
+    if nat is None:
+        return _MISSING
+    try:
+        v = nat.saved_value(node, name)
+    except (KeyError, ValueError):
+        return _MISSING
+    if type(v) is tuple:
+        return TensorGeometry(*v)
+    return v
+
+
+def geometry_of(node, nf, r: range, name: str | None = None) -> TensorGeometry | None:
+    """Sizes/strides/offset of an input as the node saved them (its field ``name``, read from C++
+    by the native helper), None if the edge is invalid. Without the helper they are read from the
+    leaf behind the edge; torch exposes no strides for non-leaf inputs to Python, so those raise
+    NotImplementedError (the node is then called live)."""
     fn, _ = nf[r.start]
     if fn is None:
         return None
+    if name is not None:
+        v = node_struct_value(node, name)
+        if v is not _MISSING:
+            return v
     var = getattr(fn, "variable", None)
     if var is None:
         raise NotImplementedError(
-            f"vjpgen: {type(node).__name__}: the strides of a non-leaf input are not exposed by torch; "
-            "call the live node instead"
+            f"vjpgen: {type(node).__name__}: the strides of a non-leaf input are not exposed by torch "
+            "to Python (the native helper reads them; it is not built here); call the live node instead"
         )
     return TensorGeometry.of(var)
+
+
+def from_node_struct(node, node_class: str, name: str, why: str):
+    """A saved value torch gives Python no getter for, read from the C++ node by the native helper
+    (:func:`node_struct_value`); without it :func:`unrecoverable` raises."""
+    v = node_struct_value(node, name)
+    if v is _MISSING:
+        unrecoverable(node_class, name, why)
+    return v
 
 
 def list_dtypes(node, nf, r: range) -> list:

@@ -65,19 +65,26 @@ class EdgeMeta(NamedTuple):
     is_cpp_nested_tensor: bool
 
 
-def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool, wanted=None):
+def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool, wanted=None, saved_hooks=False):
     """:func:`walk` through the native helper where it is built: the same nodes in the same order
     and the index, but the structure key is ``bytes`` (for the plan cache only; :func:`walk`
     gives the tuple form :func:`build_plan` reads), and the input metadata are :class:`EdgeMeta`
     (torch's ``_InputMetadata`` objects for unusual inputs: nested, subclass, symbolic). Given a
     sequence ``wanted``, the index may hold only the roots and those nodes (e.g. the targets of
     ``grad()``); building it for every node costs a dict entry per node. With the native helper
-    the hooks are every node's, read from C++, whatever ``check_*`` say."""
+    the hooks are every node's, read from C++, whatever ``check_*`` say.
+
+    With ``saved_hooks`` a sixth item: {node index: unpack hook identity} of the nodes whose saved
+    tensors have hooks (``saved_tensors_hooks``: torch.utils.checkpoint, offloading), read from
+    C++; None without the native helper (which alone can see them)."""
     nat = native.module()
     if nat is None:
-        return walk(root_edges, check_tensor_hooks, check_node_hooks)
-    nodes, key, index, metas, flags = nat.walk([n for n, _ in root_edges], EdgeMeta, wanted)
+        r = walk(root_edges, check_tensor_hooks, check_node_hooks)
+        return (*r, None) if saved_hooks else r
+    nodes, key, index, metas, flags, saved_hooked = nat.walk([n for n, _ in root_edges], EdgeMeta, wanted)
     hooked = {i: NativeHooks(f) for i, f in flags.items()} if flags else {}  # every hook, C++ too
+    if saved_hooks:
+        return nodes, metas, hooked, key, index, saved_hooked
     return nodes, metas, hooked, key, index
 
 
