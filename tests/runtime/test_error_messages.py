@@ -63,3 +63,31 @@ def test_unused_input_names_its_index():
     x, y, z, l = _graph()
     with pytest.raises(RuntimeError, match="index 1 appears to not have been used"):
         rt.grad(l, [x, y], backend=BK)
+
+
+def test_get_module_strict_names_an_unknown_class():
+    from vjpgen.generated import get_module
+
+    x = torch.randn(3, requires_grad=True)
+    live = type((x * 2).grad_fn).__name__  # a class the installed torch really builds
+    assert get_module(live, strict=True).NAME == live
+    assert get_module("NoSuchBackward0") is None  # the default stays quiet
+    with pytest.raises(LookupError) as e:
+        get_module("NoSuchBackward0", strict=True)
+    msg = str(e.value)
+    assert "'NoSuchBackward0'" in msg and "make generate" in msg and "\n" not in msg
+    # a C++-only node class of the live graph: no module, and the message says it runs live
+    y = x.clone()
+    y[0] = 1.0
+    cpp_only = type(y.grad_fn).__name__
+    assert cpp_only == "CopySlices"
+    with pytest.raises(LookupError, match="run live"):
+        get_module(cpp_only, strict=True)
+
+
+def test_call_functional_without_a_module_points_to_strict_get_module():
+    x = torch.randn(3, requires_grad=True)
+    y = x.clone()
+    y[0] = 1.0
+    with pytest.raises(NotImplementedError, match=r"get_module\('CopySlices', strict=True\)"):
+        rt.call_functional(y.grad_fn, [torch.ones(3)])
