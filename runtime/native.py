@@ -45,27 +45,30 @@ def _load():
 
         from vjpgen.codegen.environment import cache_root
 
-        # keyed by the source's content and the torch and Python installs whose headers it is built
-        # against, and built from a copy inside the folder: checkouts of the same source on the same
-        # environment share one build (the build command names every one of those paths), and two
-        # environments do not rebuild over each other
+        # keyed by the source's content and the torch build and Python ABI it is compiled against,
+        # not by where they are installed: a fresh clone (a new .venv with the same torch) reuses the
+        # build. It is built from a copy inside the folder; a finished build is marked by BUILT_MARK
+        # and then imported as it is (torch's load() would rebuild it for another venv's include paths)
         text = _SOURCE.read_bytes()
-        env = f"{Path(torch.__file__).parent}\0{sysconfig.get_paths()['include']}".encode()
-        key = hashlib.sha256(text + b"\0" + env).hexdigest()[:16]
-        build = cache_root() / "native" / f"torch-{torch.__version__}" / key
+        build = cache_root() / "native" / f"torch-{torch.__version__}" / build_key(text)
         build.mkdir(parents=True, exist_ok=True)
+        built = _import_built(build)
+        if built is not None:
+            return built
         src = build / _SOURCE.name
         if not src.exists() or src.read_bytes() != text:
             tmp = build / f".{_SOURCE.name}.{os.getpid()}"
             tmp.write_bytes(text)
             os.replace(tmp, src)  # atomic: a concurrent build never sees half a file
-        return load(
-            name="vjpgen_native",
+        m = load(
+            name=_NAME,
             sources=[str(src)],
             build_directory=str(build),
             extra_cflags=["-O2"],
             verbose=False,
         )
+        _mark_built(build, m)
+        return m
     except Exception as e:  # no compiler, no headers: the Python fallback does the same, slower
         log.warning(
             "vjpgen: could not build the native helper against torch %s (%s: %s); saved tensors are "
@@ -73,6 +76,51 @@ def _load():
             _torch_version(), type(e).__name__, _why(e),
         )
         return None
+
+
+_NAME = "vjpgen_native"
+BUILT_MARK = "built.ok"
+
+
+def build_key(source: bytes) -> str:
+    """The build folder's name: a hash of the helper's source, the torch build (release, commit,
+    CUDA, C++ ABI) and the Python ABI; no install path."""
+    import torch
+
+    parts = (
+        source,
+        torch.__version__.encode(),
+        str(getattr(torch.version, "git_version", "")).encode(),
+        str(torch.version.cuda).encode(),
+        str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+        str(sysconfig.get_config_var("SOABI")).encode(),
+    )
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _mark_built(build: Path, m) -> None:
+    """Record the finished library (atomically) so later processes import it without a build."""
+    tmp = build / f".{BUILT_MARK}.{os.getpid()}"
+    tmp.write_text(Path(m.__file__).name)
+    os.replace(tmp, build / BUILT_MARK)
+
+
+def _import_built(build: Path):
+    """The library a finished build left in ``build``, imported; None when there is none yet."""
+    import importlib.util
+    import sys
+
+    try:
+        lib = build / (build / BUILT_MARK).read_text().strip()
+    except OSError:
+        return None
+    if not lib.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(_NAME, lib)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    sys.modules[_NAME] = m
+    return m
 
 
 def _torch_version() -> str:
