@@ -2,7 +2,8 @@
 
 Public API (see README.md): :func:`call_functional`, :func:`backward`, :func:`grad`,
 :func:`compiled_autograd`, :func:`stats`, :func:`explain`,
-:func:`set_compiled_autograd_kernels` (vjpgen's kernels inside torch's own compiled autograd).
+:func:`torch_compiled_autograd` (PyTorch's compiled autograd running vjpgen's kernels) and
+:func:`set_compiled_autograd_kernels` (the switch it sets).
 """
 
 from .versions import warn_if_unsupported as _warn_if_unsupported
@@ -18,6 +19,7 @@ from .ca_kernels import (  # noqa: E402
     compiled_autograd_kernels_enabled,
     reset_compiled_autograd_kernel_stats,
     set_compiled_autograd_kernels,
+    torch_compiled_autograd,
 )
 from .api import backward, call_functional, clear_cache, compiled_autograd, grad  # noqa: E402
 from .explain import explain  # noqa: E402
@@ -36,4 +38,5 @@ __all__ = [
     "reset_stats",
     "set_compiled_autograd_kernels",
     "stats",
+    "torch_compiled_autograd",
 ]
