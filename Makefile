@@ -63,4 +63,4 @@ bench: $(STAMP) bench-generate
 	$(PY) bench/bench_ca_kernels.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

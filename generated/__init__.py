@@ -690,8 +690,9 @@ LIVE_ONLY = _live_only()
 _loaded = {}
 
 
-def get_module(node_class):
-    """The generated module of ``node_class`` (e.g. ``"MulBackward0"``), or None if there is none."""
+def get_module(node_class, strict=False):
+    """The generated module of ``node_class`` (e.g. ``"MulBackward0"``), or None if there is none;
+    with ``strict=True`` a missing module raises LookupError saying why and what to do."""
     mod = _loaded.get(node_class)
     if mod is None:
         if (
@@ -703,11 +704,40 @@ def get_module(node_class):
             if (
                 package is None
             ):  # a torch release outside vjpgen's supported range: every node runs live
+                if strict:
+                    from vjpgen.codegen.environment import installed_torch_version
+                    from vjpgen.runtime.versions import unsupported_message
+
+                    raise LookupError(
+                        f"no module for {node_class!r}: {unsupported_message(installed_torch_version())}"
+                    )
                 return None
             if package != __name__:
-                return importlib.import_module(package).get_module(node_class)
+                pkg = importlib.import_module(package)
+                return (
+                    pkg.get_module(node_class, strict=True)
+                    if strict
+                    else pkg.get_module(node_class)
+                )
         name = MODULES.get(node_class)
         if name is None or node_class in LIVE_ONLY:
+            if strict:
+                raise LookupError(_why_missing(node_class))
             return None
         mod = _loaded[node_class] = importlib.import_module(f"{__name__}.{name}")
     return mod
+
+
+def _why_missing(node_class):
+    if node_class in LIVE_ONLY:
+        return (
+            f"vjpgen: {node_class} has a generated module in {__name__} (torch {TORCH_VERSION}) but its "
+            f"conformance pass found it differs from the live node (verify.json), so it is not served; "
+            f"the runtime runs the live node"
+        )
+    return (
+        f"vjpgen: no generated module for node class {node_class!r} in {__name__} (torch {TORCH_VERSION}): "
+        f"it is not a backward node of that release's derivatives.yaml and the repo's overlay (nodes written "
+        f"by hand in C++, such as CopySlices or AccumulateGrad, have none and run live); check the name "
+        f"(type(tensor.grad_fn).__name__), or add an entry to derivatives.yaml and run `make generate`"
+    )

@@ -2,8 +2,9 @@
 
 Public API (see README.md): :func:`call_functional`, :func:`backward`, :func:`grad`,
 :func:`compiled_autograd`, :func:`stats`, :func:`explain`,
-:func:`set_compiled_autograd_kernels` (vjpgen's kernels inside torch's own compiled autograd),
-:func:`use_kernels` (an override package of the user's, for both).
+:func:`torch_compiled_autograd` (PyTorch's compiled autograd running vjpgen's kernels),
+:func:`set_compiled_autograd_kernels` (the switch it sets) and :func:`use_kernels` (an override
+package of the user's, for both modes).
 """
 
 from .versions import warn_if_unsupported as _warn_if_unsupported
@@ -19,6 +20,7 @@ from .ca_kernels import (  # noqa: E402
     compiled_autograd_kernels_enabled,
     reset_compiled_autograd_kernel_stats,
     set_compiled_autograd_kernels,
+    torch_compiled_autograd,
 )
 from .api import backward, call_functional, clear_cache, compiled_autograd, grad  # noqa: E402
 from .explain import explain  # noqa: E402
@@ -38,5 +40,6 @@ __all__ = [
     "reset_stats",
     "set_compiled_autograd_kernels",
     "stats",
+    "torch_compiled_autograd",
     "use_kernels",
 ]

@@ -51,11 +51,14 @@ def call_functional(node, grads) -> tuple:
             f"output of {name} (like node(*grads)), got {type(grads).__name__}"
         )
     n_out = len(node._input_metadata)
-    if len(grads) != n_out:
-        raise TypeError(f"vjpgen: {name} expects {n_out} grads (one per output of the forward op), got {len(grads)}")
+    if len(grads) != n_out:  # eager's node(*grads) message, with the node's name
+        raise TypeError(f"{name}: expected {n_out} arguments, got {len(grads)} instead")
     m = plan_mod._get_module(name)
     if m is None:
-        raise NotImplementedError(f"vjpgen: no generated module for backward node {name}")
+        raise NotImplementedError(
+            f"vjpgen: no generated module for backward node {name}; call the node itself (node(*grads)) "
+            f"or see vjpgen.generated.get_module({name!r}, strict=True) for why"
+        )
     return tuple(m.apply_functional_ivalue(list(grads), m.get_state(node)))
 
 
@@ -135,8 +138,11 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
             if isinstance(t, torch.autograd.graph.GradientEdge):
                 targets_edges.append((t.node, t.output_nr))
                 continue
-            if not t.requires_grad:
-                raise RuntimeError("One of the differentiated Tensors does not require grad")
+            if not t.requires_grad:  # eager's messages: backward(inputs=) retains the grad, grad() not
+                raise RuntimeError(
+                    "can't retain_grad on Tensor that has requires_grad=False" if accumulate
+                    else "One of the differentiated Tensors does not require grad"
+                )
             targets_edges.append(_gradient_edge(t, "inputs", i))
 
     native_hooks = native.module() is not None
@@ -259,8 +265,8 @@ def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, 
                 for i, g in enumerate(captured):
                     if g is None and not allow_unused:
                         raise RuntimeError(
-                            "One of the differentiated Tensors appears to not have been used in "
-                            "the graph. Set allow_unused=True if this is the desired behavior."
+                            f"The differentiated Tensor at index {i} appears to not have been used "
+                            "in the graph. Set allow_unused=True if this is the desired behavior."
                         )
                 result = tuple(captured)
     finally:
@@ -313,7 +319,7 @@ def backward(
     if inputs is not None:
         inputs = _tensors(inputs)
         if len(inputs) == 0:
-            raise RuntimeError("'inputs' argument to backward() cannot be empty.")
+            raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
     if retain_graph is None:
         retain_graph = create_graph
     if create_graph:

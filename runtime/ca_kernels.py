@@ -33,6 +33,7 @@ count of packed values that does not match ``SAVED``). :func:`compiled_autograd_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -50,7 +51,8 @@ log = logging.getLogger("vjpgen")
 TAG = "vjpgen_node"
 
 __all__ = ["set_compiled_autograd_kernels", "compiled_autograd_kernels_enabled", "compiled_autograd_kernel_stats",
-           "reset_compiled_autograd_kernel_stats", "convert_packed", "recording_backend", "node_tag"]
+           "reset_compiled_autograd_kernel_stats", "convert_packed", "recording_backend", "node_tag",
+           "torch_compiled_autograd"]
 
 # c10::ScalarType codes as the packer hands them (c10/core/ScalarType.h); codes not listed keep torch's kernel.
 _DTYPES = {
@@ -383,6 +385,38 @@ class set_compiled_autograd_kernels:
 
     def __bool__(self) -> bool:
         return _enabled
+
+
+@contextlib.contextmanager
+def torch_compiled_autograd(compiler="inductor", *, kernels: bool = True, dynamic: bool = True):
+    """PyTorch's compiled autograd with vjpgen's kernels, as a public context manager.
+
+    Within the block, every backward (``loss.backward()``, ``torch.autograd.backward`` /
+    ``grad``) is captured by torch's compiled autograd and compiled by ``compiler``: a
+    ``torch.compile`` backend name (``"inductor"``, ``"aot_eager"``, ...) or a compiler function
+    taking the captured ``torch.fx.GraphModule`` (what torch's private
+    ``torch._dynamo.compiled_autograd._enable(compiler_fn)`` takes; this wraps it). With
+    ``kernels=True`` the captured graph calls vjpgen's generated kernels
+    (:class:`set_compiled_autograd_kernels`); ``kernels=False`` keeps torch's C++ kernels.
+    ``dynamic``: whether compiled autograd treats the graph's sizes as dynamic (torch's default).
+
+    Enter it once around the training loop, not around each backward: switching vjpgen's kernels
+    on or off clears compiled autograd's graph cache. Everything else is torch's compiled autograd
+    (see ``torch._dynamo.compiled_autograd``).
+    """
+    from torch._dynamo import compiled_autograd as ca
+
+    if isinstance(compiler, str):
+        compiler_fn = torch.compile(backend=compiler)
+    elif callable(compiler):
+        compiler_fn = compiler
+    else:
+        raise TypeError(
+            f"vjpgen: torch_compiled_autograd(compiler): expected a torch.compile backend name or a compiler "
+            f"function, got {type(compiler).__name__}"
+        )
+    with set_compiled_autograd_kernels(kernels), ca._enable(compiler_fn, dynamic=dynamic):
+        yield
 
 
 def compiled_autograd_kernel_stats() -> dict:

@@ -1,12 +1,13 @@
 """Train four small torch.nn models with vjpgen's compiled backward beside eager autograd.
 
-``python -m vjpgen.runtime.demo [--steps N] [--backend inductor|aot_eager|eager]``
+``python -m vjpgen.runtime.demo [--warmup N] [--steps N] [--backend inductor|aot_eager|eager]``
 
 For each model (an MLP classifier; a CNN with conv, batch norm, max pool and dropout; a
 transformer encoder block with embedding, layer norm, scaled dot product attention, GELU and cross
 entropy; a two-layer graph convolutional network on a sparse COO adjacency) every step runs one forward pass, takes eager's grads of it with ``torch.autograd.grad``
 (retain_graph), then runs vjpgen's backward on the same graph (same dropout mask) and compares;
-the optimizer then steps on vjpgen's grads. Prints a table per model.
+the optimizer then steps on vjpgen's grads. Prints a table per model; its backward times are of the
+steps after the warm-up (the first compiles), as median [min-max].
 
 Then (``--ca-backend``, default aot_eager; ``none`` skips it) the MLP, CNN and transformer train a
 few steps with torch's own compiled autograd (``torch._dynamo.compiled_autograd``, the captured
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import operator
+import statistics
 import sys
 import time
 
@@ -145,11 +147,12 @@ def make_gcn(device="cpu", nodes=64, edges=256):
     dst = torch.randint(0, nodes, (edges,), generator=g)
     loops = torch.arange(nodes)
     idx = torch.stack([torch.cat([src, dst, loops]), torch.cat([dst, src, loops])])
-    a = torch.sparse_coo_tensor(idx, torch.ones(idx.shape[1]), (nodes, nodes)).coalesce()
-    a = torch.sparse_coo_tensor(a.indices(), torch.ones_like(a.values()), a.shape).coalesce()  # 0/1 entries
+    # check_invariants given explicitly: the indices are built here and known to be in range
+    a = torch.sparse_coo_tensor(idx, torch.ones(idx.shape[1]), (nodes, nodes), check_invariants=True).coalesce()
+    a = torch.sparse_coo_tensor(a.indices(), torch.ones_like(a.values()), a.shape, check_invariants=True).coalesce()
     deg = torch.sparse.sum(a, 1).to_dense().rsqrt()
     i, j = a.indices()
-    adj = torch.sparse_coo_tensor(a.indices(), deg[i] * deg[j], a.shape).coalesce().to(device)
+    adj = torch.sparse_coo_tensor(a.indices(), deg[i] * deg[j], a.shape, check_invariants=True).coalesce().to(device)
     model = GCN(adj).to(device)
     x = torch.randn(nodes, 16, generator=g)
     y = torch.randint(0, 4, (nodes,), generator=g)
@@ -169,8 +172,11 @@ MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer, "gc
 # ------------------------------------------------------------------------------------------
 
 
-def train(name, steps=5, backend="inductor", device="cpu", batch_sizes=None, out=sys.stdout, progress=True):
-    """Train one model; returns a dict of results (max grad diff, hits, breaks, recompiles, times)."""
+def train(name, steps=10, backend="inductor", device="cpu", batch_sizes=None, out=sys.stdout, progress=True,
+          warmup=2):
+    """Train one model for ``warmup`` + ``steps`` steps, comparing every step's grads with eager's;
+    returns a dict of results (max grad diff, hits, breaks, recompiles, times). The backward times
+    are of the ``steps`` after the warm-up (the first compiles): median, min and max of each."""
     model, batch, loss_fn = MODELS[name](device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.01)
@@ -178,7 +184,7 @@ def train(name, steps=5, backend="inductor", device="cpu", batch_sizes=None, out
     max_diff = 0.0
     t_eager = []
     t_vjp = []
-    for step in range(steps):
+    for step in range(warmup + steps):
         bs = None if batch_sizes is None else batch_sizes[step % len(batch_sizes)]
         args = batch(step) if bs is None else batch(step, bs)
         model.train()
@@ -203,19 +209,22 @@ def train(name, steps=5, backend="inductor", device="cpu", batch_sizes=None, out
             max_diff = max(max_diff, d)
         opt.step()
     s = rt.stats()
-    warm_e = t_eager[1:] or t_eager
-    warm_v = t_vjp[1:] or t_vjp
+    warm_e = t_eager[warmup:] or t_eager
+    warm_v = t_vjp[warmup:] or t_vjp
     return {
         "model": name,
         "steps": steps,
+        "warmup": warmup,
         "max_grad_diff": max_diff,
         "cache_hits": s["cache_hits"],
         "cache_misses": s["cache_misses"],
         "graph_breaks": s["graph_breaks"],
         "graph_break_reasons": s["graph_break_reasons"],
         "recompiles": s["recompiles"],
-        "eager_ms": 1000 * sum(warm_e) / len(warm_e),
-        "vjpgen_ms": 1000 * sum(warm_v) / len(warm_v),
+        "eager_ms": 1000 * statistics.median(warm_e),
+        "vjpgen_ms": 1000 * statistics.median(warm_v),
+        "eager_ms_range": (1000 * min(warm_e), 1000 * max(warm_e)),
+        "vjpgen_ms_range": (1000 * min(warm_v), 1000 * max(warm_v)),
         "first_step_s": t_vjp[0],
     }
 
@@ -281,18 +290,24 @@ def format_tagged_graph(gm) -> str:
     return "\n".join(lines)
 
 
+def _spread(median, rng) -> str:
+    return f"{median:.2f} [{rng[0]:.2f}-{rng[1]:.2f}]"
+
+
 def print_table(r, out=sys.stdout) -> None:
     rows = [
         ("max |grad - eager grad|", f"{r['max_grad_diff']:.3e}"),
         ("cache hits / misses", f"{r['cache_hits']} / {r['cache_misses']}"),
         ("graph breaks", str(r["graph_breaks"])),
         ("recompiles", str(r["recompiles"])),
-        ("backward ms/step (eager)", f"{r['eager_ms']:.2f}"),
-        ("backward ms/step (vjpgen)", f"{r['vjpgen_ms']:.2f} ({r['vjpgen_ms'] / max(r['eager_ms'], 1e-9):.2f}x eager's time)"),
+        ("backward ms, eager", _spread(r["eager_ms"], r["eager_ms_range"])),
+        ("backward ms, vjpgen", _spread(r["vjpgen_ms"], r["vjpgen_ms_range"])
+         + f"  ({r['vjpgen_ms'] / max(r['eager_ms'], 1e-9):.2f}x eager's median)"),
         ("first step incl. compile", f"{r['first_step_s']:.1f} s"),
     ]
     w = max(len(a) for a, _ in rows)
-    print(f"\n== {r['model']} ({r['steps']} steps) ==", file=out)
+    print(f"\n== {r['model']} ({r['warmup']} warm-up + {r['steps']} timed steps; times: median "
+          f"[min-max] of the timed steps) ==", file=out)
     for a, b in rows:
         print(f"  {a.ljust(w)}  {b}", file=out)
     for reason, n in r["graph_break_reasons"].items():
@@ -302,7 +317,8 @@ def print_table(r, out=sys.stdout) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per model, after the warm-up")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed first steps (the first compiles)")
     ap.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", default="mlp,cnn,transformer,gcn")
@@ -311,10 +327,11 @@ def main(argv=None) -> int:
                     help="backend of torch.compile for the compiled-autograd part (none: skip it)")
     ap.add_argument("--ca-steps", type=int, default=3)
     a = ap.parse_args(argv)
-    print(f"vjpgen demo: torch {torch.__version__}, device {a.device}, backend {a.backend}, {a.steps} steps")
+    print(f"vjpgen demo: torch {torch.__version__}, device {a.device}, backend {a.backend}, "
+          f"{a.warmup} warm-up + {a.steps} timed steps per model (grads checked on every step)")
     ok = True
     for name in a.models.split(","):
-        r = train(name, a.steps, a.backend, a.device)
+        r = train(name, a.steps, a.backend, a.device, warmup=a.warmup)
         print_table(r)
         if r["max_grad_diff"] > a.tol:
             ok = False
@@ -329,7 +346,8 @@ def main(argv=None) -> int:
             diff, gm, ks = train_compiled_autograd(name, a.ca_steps, a.ca_backend, a.device)
             kept = ", ".join(sorted(ks["torch_kernel"])) or "none"
             print(f"  {name:<12} max |grad - eager grad| {diff:.3e}   node classes on vjpgen's kernels: "
-                  f"{len(ks['vjpgen'])}, kept torch's: {kept}   ({time.perf_counter() - t0:.1f} s)")
+                  f"{len(ks['vjpgen'])}, kept torch's: {kept}   ({a.ca_steps} steps incl. capture and compile: "
+                  f"{time.perf_counter() - t0:.1f} s)")
             if diff > a.tol:
                 ok = False
                 print(f"  MISMATCH: {name} grads under compiled autograd differ from eager by {diff:.3e}")

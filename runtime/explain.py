@@ -51,8 +51,18 @@ class Explanation:
 
     __str__ = text
 
+    def print(self, file=None) -> "Explanation":
+        """Print :meth:`text` (to ``file``, default stdout); returns self."""
+        import builtins
+
+        builtins.print(self.text(), file=file)
+        return self
+
     def __repr__(self) -> str:
         return f"<Explanation: {len(self.graphs)} region(s), {self.graph_breaks} graph break(s)>"
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython / Jupyter show the graph, not the summary
+        p.text(self.text() if not cycle else repr(self))
 
     def write_svg(self, path: str) -> str:
         """Write a picture of the captured graph(s) as SVG; returns the path."""
@@ -109,9 +119,10 @@ def _graph_lines(gm) -> list:
     return out
 
 
-def explain(loss, *, svg: str | None = None, print_result: bool = True) -> Explanation:
-    """Capture ``loss``'s backward as vjpgen would, print it readably and return an
-    :class:`Explanation`; ``svg="path.svg"`` also writes a picture of it."""
+def explain(loss, *, svg: str | None = None, print_result: bool = False) -> Explanation:
+    """Capture ``loss``'s backward as vjpgen would and return an :class:`Explanation` (``.graphs``,
+    ``.steps``, ``.text()``, ``.write_svg(path)``); prints nothing unless ``print_result=True``
+    (or call ``.print()``, or ``print(ex)``). ``svg="path.svg"`` also writes a picture of it."""
     root = loss.grad_fn
     if root is None:
         raise RuntimeError("explain(loss): loss has no grad_fn")

@@ -225,3 +225,52 @@ def test_demo_models_under_compiled_autograd():
         assert ks["torch_kernel"] == {}, ks["reasons"]
         assert any(n.meta.get("vjpgen_node") for n in gm.graph.nodes)
     assert "AddmmBackward0" in demo.format_tagged_graph(gm) or "MmBackward0" in demo.format_tagged_graph(gm)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "function"])
+def test_torch_compiled_autograd_public_entry_point(compiler):
+    """``rt.torch_compiled_autograd`` is torch's compiled autograd with vjpgen's kernels bound, no
+    private torch call in the user's code: eager's grads over a few SGD steps, every class on
+    vjpgen's kernel, and both switches restored on exit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    ref_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    ref_model.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    seen = []
+
+    def compiler_fn(gm):
+        seen.append(gm)
+        return gm
+
+    rt.reset_compiled_autograd_kernel_stats()
+    torch._C._dynamo.compiled_autograd.clear_cache()
+    with rt.torch_compiled_autograd("aot_eager" if compiler == "aot_eager" else compiler_fn):
+        assert rt.compiled_autograd_kernels_enabled()
+        for step in range(3):
+            x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+            for m, o in ((model, opt), (ref_model, ref_opt)):
+                o.zero_grad()
+                loss = torch.nn.functional.cross_entropy(m(x), y)
+                if m is model:
+                    loss.backward()  # captured by compiled autograd
+                else:
+                    with ca._disable():
+                        loss.backward()  # eager autograd
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+            opt.step()
+            ref_opt.step()
+    assert not rt.compiled_autograd_kernels_enabled()
+    assert not ca.compiled_autograd_enabled
+    s = rt.compiled_autograd_kernel_stats()
+    assert s["torch_kernel"] == {} and {"AddmmBackward0", "TanhBackward0"} <= set(s["vjpgen"]), s
+    if compiler == "function":
+        assert seen and any(n.meta.get("vjpgen_node") for n in seen[0].graph.nodes)
+
+
+def test_torch_compiled_autograd_rejects_a_non_compiler():
+    with pytest.raises(TypeError, match="expected a torch.compile backend name or a compiler function"):
+        with rt.torch_compiled_autograd(3):
+            pass

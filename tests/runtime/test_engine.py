@@ -202,6 +202,21 @@ def test_create_graph_falls_back_to_eager_with_warning():
     assert rt.stats()["eager_fallbacks"] == 1
 
 
+def test_explain_returns_and_prints_only_when_asked(capsys):
+    w = torch.randn(3, 4, requires_grad=True)
+    loss = torch.relu(torch.randn(2, 4) @ w.t()).sum()
+    ex = rt.explain(loss)
+    assert capsys.readouterr().out == ""  # returned, not printed
+    assert len(ex.graphs) == 1 and isinstance(ex.graphs[0], torch.fx.GraphModule)
+    assert repr(ex) == "<Explanation: 1 region(s), 0 graph break(s)>"
+    print(rt.explain(loss))
+    once = capsys.readouterr().out
+    assert once == ex.text() + "\n" and once.count("vjpgen backward:") == 1
+    assert ex.print() is ex and capsys.readouterr().out == once
+    rt.explain(loss, print_result=True)
+    assert capsys.readouterr().out == once
+
+
 def test_eager_backend_and_explain(tmp_path):
     w = torch.randn(3, 4, requires_grad=True)
     x = torch.randn(2, 4)
@@ -226,8 +241,11 @@ def test_call_functional_rejects_grads_the_live_node_rejects():
     g = torch.randn(3)
     with pytest.raises(TypeError, match="grads must be a list or tuple"):
         rt.call_functional(node, g)  # a bare tensor would otherwise be iterated row by row
-    with pytest.raises(TypeError, match="expects 1 grads"):
+    with pytest.raises(TypeError) as live:
+        node(g, g)
+    with pytest.raises(TypeError) as ours:
         rt.call_functional(node, (g, g))
+    assert str(ours.value) == f"MulBackward0: {live.value}"  # eager's message, naming the node
     expected = node(g)
     for x, y in zip(rt.call_functional(node, [g]), expected):
         torch.testing.assert_close(x, y)

@@ -40,3 +40,15 @@ def test_mlp_with_inductor_and_changing_batch():
             torch.testing.assert_close(p.grad, r, rtol=1e-4, atol=1e-5)
     s = rt.stats()
     assert s["compiles"] == 2 and s["recompiles"] == 1 and s["cache_hits"] == 2, s
+
+
+def test_demo_times_after_warmup_with_the_spread():
+    import io
+
+    r = demo.train("mlp", steps=3, backend="eager", warmup=2, progress=False)
+    assert r["max_grad_diff"] == 0.0 and r["warmup"] == 2 and r["steps"] == 3
+    lo, hi = r["vjpgen_ms_range"]
+    assert lo <= r["vjpgen_ms"] <= hi and r["eager_ms_range"][0] <= r["eager_ms"] <= r["eager_ms_range"][1]
+    out = io.StringIO()
+    demo.print_table(r, out=out)
+    assert "2 warm-up + 3 timed steps" in out.getvalue() and "median [min-max]" in out.getvalue()

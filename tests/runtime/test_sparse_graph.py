@@ -4,7 +4,6 @@ Nodes that touch a sparse tensor run live at a graph break (counted in stats());
 stays compiled. Every case runs twice through vjpgen, so the second call reuses the plan the first
 one re-partitioned."""
 
-import warnings
 
 import pytest
 import torch
@@ -13,14 +12,12 @@ import vjpgen.runtime as rt
 
 BK = "aot_eager"
 
-warnings.filterwarnings("ignore", message="Sparse invariant checks")
-warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
 
 
 def _coo(values=None, requires_grad=False):
     idx = torch.tensor([[0, 1, 1, 2], [2, 0, 2, 1]])
     v = torch.tensor([3.0, 4.0, 5.0, -1.0]) if values is None else values
-    return torch.sparse_coo_tensor(idx, v, (3, 3)).requires_grad_(requires_grad)
+    return torch.sparse_coo_tensor(idx, v, (3, 3), check_invariants=True).requires_grad_(requires_grad)
 
 
 def _check_grad(ours, ref, what, coalesced_flag=True):
@@ -129,7 +126,7 @@ def test_uncoalesced_coo_from_values_that_need_grad():
     def build():
         v = v0.clone().requires_grad_()
         D = D0.clone().requires_grad_()
-        S = torch.sparse_coo_tensor(idx, v.exp(), (3, 3))
+        S = torch.sparse_coo_tensor(idx, v.exp(), (3, 3), check_invariants=True)
         assert not S.is_coalesced()
         return torch.sparse.mm(S, D).relu().sum(), [v, D]
 
@@ -259,7 +256,7 @@ def test_csr_times_dense():
     vals = torch.tensor([3.0, 4.0, 5.0, -1.0])
 
     def build():
-        C = torch.sparse_csr_tensor(crow, col, vals, (3, 3))
+        C = torch.sparse_csr_tensor(crow, col, vals, (3, 3), check_invariants=True)
         D = D0.clone().requires_grad_()
         return (C @ D).exp().sum(), [D]
 
@@ -273,7 +270,7 @@ def test_csr_leaf_requires_grad():
     vals = torch.tensor([3.0, 4.0, 5.0, -1.0])
 
     def build():
-        C = torch.sparse_csr_tensor(crow, col, vals, (3, 3)).requires_grad_()
+        C = torch.sparse_csr_tensor(crow, col, vals, (3, 3), check_invariants=True).requires_grad_()
         D = D0.clone().requires_grad_()
         return torch.sparse.mm(C, D).sum(), [C, D]
 
@@ -361,7 +358,7 @@ def test_more_sparse_ops(op):
     idx = torch.tensor([[0, 1, 1, 2, 0], [2, 0, 2, 1, 2]])  # uncoalesced
 
     def build():
-        S = torch.sparse_coo_tensor(idx, torch.tensor([3.0, 4.0, 5.0, -1.0, 2.0]), (3, 3))
+        S = torch.sparse_coo_tensor(idx, torch.tensor([3.0, 4.0, 5.0, -1.0, 2.0]), (3, 3), check_invariants=True)
         S.requires_grad_()
         X = X0.clone().requires_grad_()
         D = D0.clone().requires_grad_()
