@@ -51,8 +51,8 @@ def _load():
         # build. It is built from a copy inside the folder; a finished build is marked by BUILT_MARK
         # and then imported as it is (torch's load() would rebuild it for another venv's include paths)
         text = _SOURCE.read_bytes()
-        fields = saved_fields_header(Path(torch.__file__).parent / "include").encode()
-        build = cache_root() / "native" / f"torch-{torch.__version__}" / build_key(text + b"\0" + fields)
+        fields = _fields()
+        build = cache_root() / "native" / f"torch-{torch.__version__}" / build_key(key_source())
         build.mkdir(parents=True, exist_ok=True)
         built = _import_built(build)
         if built is not None:
@@ -134,6 +134,18 @@ def saved_fields_header(include: Path) -> str:
 
 _NAME = "vjpgen_native"
 BUILT_MARK = "built.ok"
+
+
+def _fields() -> bytes:
+    import torch
+
+    return saved_fields_header(Path(torch.__file__).parent / "include").encode()
+
+
+def key_source() -> bytes:
+    """What the build is compiled from: the helper's source and the saved-fields table of the
+    installed torch's node structs (see :func:`saved_fields_header`)."""
+    return _SOURCE.read_bytes() + b"\0" + _fields()
 
 
 def build_key(source: bytes) -> str:

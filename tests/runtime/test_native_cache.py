@@ -32,7 +32,7 @@ def test_key_is_source_and_torch_build_only(monkeypatch):
 @pytest.mark.skipif(native.module() is None, reason="needs a compiler to build the helper once")
 def test_a_finished_build_is_imported_without_compiling(tmp_path):
     m = native.module()
-    key = native.build_key(native._SOURCE.read_bytes())
+    key = native.build_key(native.key_source())
     build = tmp_path / "native" / f"torch-{torch.__version__}" / key
     build.mkdir(parents=True)
     shutil.copy(m.__file__, build / os.path.basename(m.__file__))
