@@ -170,11 +170,17 @@ const std::vector<ClassFields>& table() {
 #undef VJPGEN_OPT_BOOL
 #undef VJPGEN_CLASS
 
-// The fields of a node's class, or nullptr (no saved state in the table, or not a generated node).
+// What the table knows of a node's C++ class: its fields (nullptr: not a generated node with saved
+// state), and whether it is a custom Function's node (PyNode: its saved tensors are its ctx's).
+struct ClassInfo {
+  const ClassFields* fields = nullptr;
+  bool py_function = false;
+};
+
 // Looked up by the node's C++ type (typeid of the object: its vtable, no symbol of the class), the
-// class name only on the first sight of a type.
-const ClassFields* fields_of(Node* fn) {
-  static std::unordered_map<const std::type_info*, const ClassFields*> by_type;
+// class name and the Python object's type only on the first sight of a type.
+const ClassInfo& class_info(Node* fn, PyObject* obj) {
+  static std::unordered_map<const std::type_info*, ClassInfo> by_type;
   const std::type_info* t = &typeid(*fn);
   auto it = by_type.find(t);
   if (it != by_type.end()) {
@@ -187,13 +193,16 @@ const ClassFields* fields_of(Node* fn) {
     }
     return m;
   }();
-  const ClassFields* found = nullptr;
-  auto nt = by_name.find(fn->name());
-  if (nt != by_name.end()) {
-    found = nt->second;
+  ClassInfo info;
+  if (THPFunction_Check(obj)) {  // every custom Function's node is one C++ type
+    info.py_function = true;
+  } else if (torch::autograd::THPCppFunction_Check(obj)) {
+    auto nt = by_name.find(fn->name());
+    if (nt != by_name.end()) {
+      info.fields = nt->second;
+    }
   }
-  by_type.emplace(t, found);
-  return found;
+  return by_type.emplace(t, info).first->second;
 }
 
 // The identity of the unpack hook of a saved variable with hooks (the Python function object of
@@ -222,7 +231,8 @@ int64_t hook_key(const SavedVariable& v) {
 // The hook key (see hook_key) of the first saved tensor of a node that has hooks, 0 when none
 // has: the saved tensors of a generated node (from the table) or of a custom Function's ctx.
 int64_t saved_hook_key(Node* fn, PyObject* obj) {
-  if (THPFunction_Check(obj)) {
+  const ClassInfo& info = class_info(fn, obj);
+  if (info.py_function) {
     for (const auto& v : reinterpret_cast<THPFunction*>(obj)->saved_variables) {
       if (int64_t k = hook_key(v)) {
         return k;
@@ -230,7 +240,7 @@ int64_t saved_hook_key(Node* fn, PyObject* obj) {
     }
     return 0;
   }
-  const ClassFields* c = fields_of(fn);
+  const ClassFields* c = info.fields;
   if (c == nullptr) {
     return 0;
   }
@@ -274,7 +284,7 @@ pybind11::object saved_value(pybind11::handle node, const std::string& name) {
   if (!fn || !torch::autograd::THPCppFunction_Check(node.ptr())) {
     throw pybind11::key_error(name);
   }
-  const ClassFields* c = fields_of(fn.get());
+  const ClassFields* c = class_info(fn.get(), node.ptr()).fields;
   if (c != nullptr) {
     for (const auto& f : c->fields) {
       if (name != f.name) {

@@ -14,7 +14,7 @@ from torch._dynamo import compiled_autograd as ca
 
 import vjpgen.runtime as rt
 from vjpgen.generated import get_module
-from vjpgen.runtime import ca_kernels
+from vjpgen.runtime import ca_kernels, native
 from vjpgen.runtime.verify import walk
 
 
@@ -105,9 +105,13 @@ def test_converted_packed_stack_equals_get_state(monkeypatch):
             "SliceBackward0", "ToCopyBackward0", "SumBackward1", "IndexPutBackward0", "AsStridedBackward0", "TanhBackward0"}
     assert want <= {n for n, _ in seen}, want - {n for n, _ in seen}
     assert {n for n, _ in seen} == set(expected)  # converted at capture (fake tensors) and when run
-    assert expected["AsStridedBackward0"] == [None]  # the packer serves what get_state cannot
+    nat = native.module() is not None
+    if not nat:  # the geometry of a non-leaf input: only the native helper reads it from the node
+        assert expected["AsStridedBackward0"] == [None]  # the packer serves what get_state cannot
+    else:
+        assert None not in expected["AsStridedBackward0"]
     for name, got in seen:
-        if name != "AsStridedBackward0":
+        if nat or name != "AsStridedBackward0":
             assert any(_match(got, e) for e in expected[name]), (name, got, expected[name])
 
 
