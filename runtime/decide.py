@@ -30,6 +30,11 @@ sparse               it saves a sparse tensor, or its formula reads the layout o
 (per call)           a saved value or a grad it receives is sparse, a tensor subclass or nested
 ==================  ====================================================================
 
+Saved tensors with unpack hooks (``torch.utils.checkpoint``, offloading) do not make a node live;
+they change when its saved values are read: never at plan time, regions cut between hook groups
+(one checkpoint block each, :func:`vjpgen.runtime.plan._segments`), inside the engine's graph task,
+once (see docs/saved-state.md).
+
 Complex views (``view_as_complex`` / ``view_as_real`` saved by rotary embeddings) are compiled:
 :func:`vjpgen.runtime.capture.fakeify` builds their fake tensors from a non-view alias.
 """
