@@ -131,7 +131,7 @@ def test_torch_outside_the_supported_range_runs_every_node_live(tmp_path, monkey
     import vjpgen.runtime.versions as versions
 
     monkeypatch.setenv("VJPGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(versions, "installed_torch_version", lambda: "2.11.0")
+    monkeypatch.setattr(versions, "installed_torch_version", lambda: "2.10.0")
     versions.package_for_installed_torch.cache_clear()
     try:
         assert versions.package_for_installed_torch("vjpgen.generated", "2.13.0") is None
