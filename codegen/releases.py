@@ -29,11 +29,13 @@ def formula_sha256(entry: dict, schema: str) -> str:
 
 
 def _strings(x):
+    """The backward formulas of an entry: every string but its name and its forward-mode
+    (``result*:``) formulas, which vjpgen does not translate."""
     if isinstance(x, str):
         yield x
     elif isinstance(x, dict):
         for k, v in x.items():
-            if k != "name":
+            if k != "name" and not str(k).startswith("result"):
                 yield from _strings(v)
     elif isinstance(x, (list, tuple)):
         for v in x:
@@ -41,7 +43,7 @@ def _strings(x):
 
 
 def called_names(entry: dict) -> set[str]:
-    """Every ``name(`` in the entry's formulas (helpers, ATen ops, methods)."""
+    """Every ``name(`` in the entry's backward formulas (helpers, ATen ops, methods)."""
     return {m for s in _strings(entry) for m in _IDENT_CALL.findall(s)}
 
 
@@ -103,7 +105,8 @@ def record(overlay: Path | None) -> dict:
     for info in loaded.infos:
         entry = loaded.entries[info.op]
         formulas[info.op] = formula_sha256(entry, str(info.func.func))
-        calls[info.op] = sorted(called_names(entry) & helpers.keys())
+        backward = {m for d in info.derivatives for m in _IDENT_CALL.findall(d.formula)}  # torchgen's own split
+        calls[info.op] = sorted(backward & helpers.keys())
     return {"torch": installed_torch_version(), "formulas": formulas, "calls": calls, "helpers": helpers}
 
 
