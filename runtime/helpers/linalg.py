@@ -165,7 +165,7 @@ def _diag_rhs(values: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
     return torch.diag_embed(values.unsqueeze(-1).expand_as(pivots)).mT
 
 
-@register
+@register("linalg_det_backward", torch=">=2.12")
 def linalg_det_backward(grad, det, A, LU, pivots):
     """VJP of ``det(A)``: the G solving ``A^H G = conj(det) * grad * I``.
 
@@ -203,6 +203,15 @@ def linalg_det_backward(grad, det, A, LU, pivots):
         return (U * D.unsqueeze(-2)).matmul(Vh)
 
     return _masked_fmap(det.abs() < 100.0 * eps, singular, non_singular, A, d, grad)
+
+
+@register("linalg_det_backward", torch="<2.12")
+def linalg_det_backward_211(grad, det, A, LU, pivots):
+    """``linalg_det_backward`` as torch 2.11's node computes it: the same, except that an empty
+    ``A`` gets no grad (undefined; from 2.12 on, zeros shaped like ``A``)."""
+    if grad is None or A.numel() == 0:
+        return None
+    return linalg_det_backward(grad, det, A, LU, pivots)
 
 
 @register
