@@ -221,6 +221,167 @@ def run(op_names=None, dtypes=("float64", "float32", "complex128"), max_samples=
     return dict(results), op_errors
 
 
+# --------------------------------------------------------------------------------------------
+# the edge run also covers the low-precision and single-precision complex dtypes
+EDGE_DTYPES = {
+    **DTYPES, "complex64": torch.complex64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# edge values: the same samples with values where formulas branch
+
+
+def _cycle(t: torch.Tensor, values) -> torch.Tensor:
+    """``t``'s shape filled with ``values`` repeated along the flattened index."""
+    n = t.numel()
+    v = torch.tensor(values, dtype=t.dtype)
+    return v.repeat(n // len(values) + 1)[:n].reshape(t.shape).to(t.device)
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    """``t / |t|`` (``sgn``), with 1 where ``t`` is 0: a sign that is never 0."""
+    return torch.where(t == 0, torch.ones((), dtype=t.dtype), t.sgn())
+
+
+def _rank_deficient(t: torch.Tensor):
+    if t.dim() < 2 or t.shape[-1] < 2 or t.shape[-2] < 2:
+        return None
+    r = t.clone()
+    r[..., :, 1] = r[..., :, 0]  # two equal columns: singular, rank-deficient, a repeated singular value
+    return r
+
+
+def _identity(t: torch.Tensor):
+    if t.dim() < 2 or t.shape[-1] != t.shape[-2] or t.shape[-1] < 2:
+        return None
+    return torch.eye(t.shape[-1], dtype=t.dtype).expand(t.shape).clone()  # all eigen/singular values tied
+
+
+def _complex_axes(t: torch.Tensor):
+    if not t.is_complex():
+        return None
+    x = t.abs().to(t.dtype)
+    return _cycle(t, [0, 1, 1j, -1, -1j]) * x  # 0, and the positive/negative real and imaginary axes
+
+
+def _empty(t: torch.Tensor):
+    if t.dim() == 0 or t.shape[0] == 0:
+        return None
+    return t[:0].clone()  # zero-size along dim 0 (every tensor of the sample alike)
+
+
+def _zero_dim(t: torch.Tensor):
+    if t.dim() == 0 or t.numel() == 0:
+        return None
+    return t.reshape(-1)[0].clone()  # 0-d
+
+
+# name -> f(values) -> new values or None (the variant does not apply to that tensor)
+EDGE_VARIANTS = {
+    "zeros": torch.zeros_like,
+    "ties": lambda t: _cycle(t, [0.5, -1.0, 0.5, 2.0, -1.0]),  # repeated values (max/min/sort/median/...)
+    "integers": lambda t: (t * 3).round(),  # integer-valued floats (round/floor/ceil/trunc/frac, fmod)
+    "halves": lambda t: (t * 3).round() + 0.5,  # exactly halfway between integers (round's ties)
+    "nonfinite": lambda t: torch.where(
+        _cycle(t.real, [1.0, 0.0, 0.0, 0.0]) != 0, t, _cycle(t, [0.0, float("inf"), float("-inf"), float("nan")])
+    ),
+    "tiny": lambda t: _unit(t) * (torch.finfo(t.dtype).tiny / 4),  # subnormal
+    "huge": lambda t: _unit(t) * (torch.finfo(t.dtype).max / 16),
+    "complex_axes": _complex_axes,
+    "rank_deficient": _rank_deficient,
+    "identity": _identity,
+    "empty": _empty,
+    "zero_dim": _zero_dim,
+}
+
+
+# (OpInfo name, variant) pairs the edge run leaves out, with the reason (listed in REPORT.md)
+EDGE_SKIP = {
+    ("nn.functional.grid_sample", "nonfinite"): "the live GridSampler2DBackward0 node itself segfaults on a "
+    "nan grid with padding_mode='reflection' (torch 2.13 CPU), so there is no oracle",
+    **{
+        ("_segment_reduce", v): "the sample's lengths/offsets index the data tensor; made zero-size or 0-d, "
+        "torch's kernel reads out of bounds (segfault)"
+        for v in ("empty", "zero_dim")
+    },
+    ("nn.functional.pdist", "empty"): "the live PdistBackward node itself segfaults on an input with zero rows",
+    **{
+        (name, "empty"): "torch's own CPU batch norm kernel divides by zero (SIGFPE) on a zero-size input"
+        for name in (
+            "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "nn.functional.batch_norm",
+        )
+    },
+}
+
+
+def _edge_map(x, f, hit: list):
+    """``x`` (a sample's input/args/kwargs) with ``f`` applied to each dense floating/complex tensor."""
+    if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided or x.is_nested or not (x.dtype.is_floating_point or x.dtype.is_complex):
+            return x
+        with torch.no_grad():
+            v = f(x.detach())
+        if v is None:
+            return x
+        hit.append(True)
+        return v.to(x.dtype).detach().requires_grad_(x.requires_grad)
+    if isinstance(x, tuple):
+        return tuple(_edge_map(y, f, hit) for y in x)
+    if isinstance(x, list):
+        return [_edge_map(y, f, hit) for y in x]
+    if isinstance(x, dict):
+        return {k: _edge_map(y, f, hit) for k, y in x.items()}
+    return x
+
+
+def edge_samples(s, variants=None):
+    """``(name, sample)`` for each edge variant of sample ``s`` that changes one of its tensors."""
+    import types
+
+    for name in variants or EDGE_VARIANTS:
+        f = EDGE_VARIANTS[name]
+        hit: list = []
+        try:
+            new = types.SimpleNamespace(
+                input=_edge_map(s.input, f, hit), args=_edge_map(s.args, f, hit), kwargs=_edge_map(s.kwargs, f, hit)
+            )
+        except Exception:  # a variant that cannot be built for these dtypes/shapes
+            continue
+        if hit:
+            yield name, new
+
+
+def run_edges(op_names=None, dtypes=tuple(EDGE_DTYPES), max_samples=None, variants=None, log=None, get_module=None):
+    """The edge-value run: each OpInfo sample (CPU) turned into each of :data:`EDGE_VARIANTS`, in
+    every dtype of ``dtypes`` the op supports for backward, every node checked against the live
+    node. Returns {node class: ClassResult} and the per-op errors, as :func:`run`."""
+    results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
+    op_errors: list[str] = []
+    gen = torch.Generator().manual_seed(0)
+    for op, label in autograd_ops(op_names):
+        try:
+            supported = op.supported_backward_dtypes("cpu")
+        except Exception:
+            supported = op.supported_dtypes("cpu")
+        for dname in dtypes:
+            dtype = EDGE_DTYPES[dname]
+            if dtype not in supported:
+                continue
+            try:
+                samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))
+            except Exception as e:
+                op_errors.append(f"{label} {dname}: sample_inputs raised {_short(e)}")
+                continue
+            if max_samples is not None:
+                samples = samples[:max_samples]
+            skip = {v for (o, v) in EDGE_SKIP if o in (label, op.name)}
+            for s in samples:
+                for vname, es in edge_samples(s, [v for v in variants or EDGE_VARIANTS if v not in skip]):
+                    check_sample(op, label, dname, es, results, gen, log, tag=f"{vname} {dname}", get_module=get_module)
+    return dict(results), op_errors
+
+
 def live_only(results) -> dict[str, str]:
     """{node class: first reason} for every class with a mismatch or an error that is not a
     documented limit (:data:`ALLOWED`)."""
@@ -233,15 +394,30 @@ def live_only(results) -> dict[str, str]:
     return bad
 
 
-def verify_package(out: Path, package: str, max_samples: int = 1, op_names=None) -> dict:
+def verify_package(
+    out: Path, package: str, max_samples: int = 1, op_names=None, *, edges: bool = False, unported: dict | None = None
+) -> dict:
     """Quick conformance pass of the freshly generated ``package`` (folder ``out``, importable)
     against the installed torch's live nodes: op_db on the CPU, float64, ``max_samples`` samples
-    per op (``op_names``: only those OpInfos). Writes ``out/verify.json`` (summary, ``live_only`` classes with their reason), logs
-    each live-only class, and returns the summary."""
+    per op (``op_names``: only those OpInfos); with ``edges`` also the edge-value run
+    (:func:`run_edges`, float64, the same samples). Writes ``out/verify.json`` (summary,
+    ``live_only`` classes with their reason), logs each live-only class, and returns the summary.
+
+    ``unported`` (a release newer than the last ported one, see :mod:`vjpgen.runtime.versions`):
+    {node class: reason} of the classes whose formula or helpers are new or changed since the last
+    ported release. Then only a class that the pass verified (reached, every check passed) and that
+    is not in ``unported`` is served; every other class of the package is live-only, with its reason,
+    and the per-class lines go to the debug log (the caller logs one line)."""
     t0 = time.perf_counter()
     pkg = importlib.import_module(package)
     results, _errs = run(op_names, dtypes=("float64",), max_samples=max_samples, get_module=pkg.get_module)
     bad = live_only(results)
+    edge_bad: dict[str, str] = {}
+    if edges:
+        eres, _ = run_edges(op_names, dtypes=("float64",), max_samples=max_samples, get_module=pkg.get_module)
+        edge_bad = live_only(eres)
+        for name, reason in edge_bad.items():
+            bad.setdefault(name, f"{reason} (edge values)")
     reached = [n for n in results if n in pkg.MODULES]
     verified = [n for n in reached if n not in bad and results[n].counts[PASSED]]
     summary = {
@@ -250,10 +426,24 @@ def verify_package(out: Path, package: str, max_samples: int = 1, op_names=None)
         "classes_verified": len(verified),
         "mismatched": sum(1 for r in bad.values() if r.startswith(MISMATCHED)),
         "raised": sum(1 for r in bad.values() if r.startswith(RAISED)),
+        "edges": edges,
+        "edge_live_only": len(edge_bad),
         "seconds": round(time.perf_counter() - t0, 1),
     }
+    level = logging.DEBUG if unported is not None else logging.WARNING
     for name, reason in bad.items():
-        log.warning("vjpgen: %s does not match torch %s's live node, marked live-only: %s", name, torch.__version__, reason)
+        log.log(level, "vjpgen: %s does not match torch %s's live node, marked live-only: %s", name, torch.__version__, reason)
+    if unported is not None:
+        ok = set(verified)
+        for name in pkg.MODULES:
+            if name in bad or name in INTENDED_DIFFERENCES:
+                continue
+            if name in unported:
+                bad[name] = unported[name]
+            elif name not in ok:
+                bad[name] = "not verified: no check of the verify pass reached it"
+        summary["compiled"] = len(pkg.MODULES) - len(bad)
+        summary["unported"] = len([n for n in unported if n in pkg.MODULES])
     pkg.LIVE_ONLY = frozenset(bad)  # this process imported the index before verify.json existed
     for name in bad:
         pkg._loaded.pop(name, None)
@@ -261,7 +451,8 @@ def verify_package(out: Path, package: str, max_samples: int = 1, op_names=None)
     tmp = out / f".verify.json.{id(data)}"
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     tmp.replace(out / "verify.json")
-    log.warning(
+    log.log(
+        level,
         "vjpgen: verified %s for torch %s against its live nodes in %.0fs: %d classes reached, %d verified, "
         "%d live-only (%d mismatched, %d raised)",
         out, torch.__version__, summary["seconds"], summary["classes_reached"], summary["classes_verified"],

@@ -7,9 +7,19 @@ derivatives.yaml into a per-version cache folder (``~/.cache/vjpgen/generated/to
 or ``$VJPGEN_CACHE``), checks it against that release's live nodes (:mod:`vjpgen.runtime.verify`:
 classes that do not match are served live) and serves modules from there.
 
-vjpgen supports the torch releases in :data:`SUPPORTED` (the range ``pyproject.toml`` declares):
-their helper semantics are ported (see ``vjpgen.runtime.helpers.registry``) and checked. With a
-release outside it, importing ``vjpgen.runtime`` warns, and every node runs as the live node.
+vjpgen ports the torch releases in :data:`SUPPORTED`: their helper semantics are ported (see
+``vjpgen.runtime.helpers.registry``) and checked by ``make test-torch``. ``pyproject.toml`` asks
+only for ``torch>=`` the oldest of them, so installing vjpgen never replaces a user's torch; what
+happens with the others:
+
+- older than the oldest ported release: importing ``vjpgen.runtime`` warns, every node runs live;
+- newer than the last ported release (:data:`LAST_PORTED`): the package is regenerated for it and
+  checked by the full verify pass, random and edge values (:func:`vjpgen.runtime.verify.verify_package`
+  with ``edges=True``); a class is compiled only if that pass verified it *and* its formula (the
+  hash of its derivatives.yaml entry) and the declarations of every FunctionsManual helper it calls
+  are those of :data:`LAST_PORTED` (``ported_release.json``, :mod:`vjpgen.codegen.releases`); every
+  other class runs live. One warning line says so, with the counts; ``verify.json`` in the package
+  names each live class and its reason.
 """
 
 from __future__ import annotations
@@ -26,8 +36,14 @@ from vjpgen.codegen.environment import cache_root, installed_torch_version
 
 log = logging.getLogger("vjpgen")
 
-SUPPORTED = ">=2.12,<2.15"
-"""The torch releases vjpgen supports; keep equal to the torch requirement in pyproject.toml."""
+SUPPORTED = ">=2.11,<2.16"
+"""The torch releases vjpgen ports and checks; pyproject.toml requires ``torch>=`` its lower bound
+and sets no upper bound (see the module docstring for a newer release)."""
+
+LAST_PORTED = "2.15.0"
+"""The newest ported release; ``ported_release.json`` (next to this file) is its record."""
+
+PORTED_RECORD = Path(__file__).resolve().parent / "ported_release.json"
 
 
 def is_supported(version: str) -> bool:
@@ -35,6 +51,23 @@ def is_supported(version: str) -> bool:
     from vjpgen.runtime.helpers.registry import VersionRange, parse_version
 
     return parse_version(version) in VersionRange.parse(SUPPORTED)
+
+
+def is_newer_than_ported(version: str) -> bool:
+    """Whether ``version`` is newer than every ported release (:data:`SUPPORTED`'s upper bound)."""
+    from vjpgen.runtime.helpers.registry import VersionRange, parse_version
+
+    hi = VersionRange.parse(SUPPORTED).hi
+    return hi is not None and parse_version(version) >= hi
+
+
+def newer_message(version: str, summary: dict) -> str:
+    return (
+        f"vjpgen: torch {version} is newer than the last ported release ({LAST_PORTED}): compiling "
+        f"{summary['compiled']} node classes whose formula and helpers are {LAST_PORTED}'s and that passed "
+        f"the verify pass (random and edge values), running the other {len(summary['live_only'])} live "
+        f"({summary['unported']} with a new or changed formula or helper); see verify.json in the package"
+    )
 
 
 def unsupported_message(version: str) -> str:
@@ -46,10 +79,11 @@ def unsupported_message(version: str) -> str:
 
 
 def warn_if_unsupported() -> bool:
-    """Warn (once per process) when the installed torch is outside :data:`SUPPORTED`; returns
-    whether it is supported."""
+    """Warn (once per process) when the installed torch is older than :data:`SUPPORTED`; returns
+    whether its backward can use generated kernels (a ported release, or a newer one: see the
+    module docstring, whose one line comes when its package is first served)."""
     version = installed_torch_version()
-    if is_supported(version):
+    if is_supported(version) or is_newer_than_ported(version):
         return True
     import warnings
 
@@ -68,7 +102,8 @@ def package_for_installed_torch(package: str, recorded_version: str) -> str:
     :data:`SUPPORTED` (the runtime then runs every node live); raises RuntimeError naming the
     command to run if it cannot generate."""
     version = installed_torch_version()
-    if not is_supported(version):
+    newer = is_newer_than_ported(version)
+    if not (is_supported(version) or newer):
         log.warning("%s", unsupported_message(version))
         return None
     if version == recorded_version or package.startswith("vjpgen_generated_torch_"):
@@ -77,7 +112,10 @@ def package_for_installed_torch(package: str, recorded_version: str) -> str:
     root = _cache_root() / f"torch-{tag}"
     name = f"vjpgen_generated_torch_{tag}"
     out = root / name
-    log.warning("vjpgen: generated/ is for torch %s but torch %s is installed; using %s", recorded_version, version, out)
+    log.log(
+        logging.INFO if newer else logging.WARNING,
+        "vjpgen: generated/ is for torch %s but torch %s is installed; using %s", recorded_version, version, out,
+    )
     try:
         from vjpgen.codegen.generate import generate
         from vjpgen.codegen.load import default_inputs
@@ -94,13 +132,45 @@ def package_for_installed_torch(package: str, recorded_version: str) -> str:
         sys.path.insert(0, str(root))
     importlib.invalidate_caches()
     if not (out / "verify.json").exists():  # a fresh package: check it before serving a module from it
-        from vjpgen.runtime.verify import verify_package
-
         try:
-            verify_package(out, name)
+            verify_generated(out, name)
         except Exception as e:  # noqa: BLE001 - unverified modules are not served
             raise RuntimeError(
                 f"vjpgen: the package generated for torch {version} at {out} could not be checked against "
                 f"the live nodes ({type(e).__name__}: {e}); its modules are not used"
             ) from e
+    elif newer:
+        import json
+
+        try:
+            log.warning("%s", newer_message(version, json.loads((out / "verify.json").read_text())))
+        except (OSError, ValueError, KeyError):
+            pass
     return name
+
+
+def verify_generated(out: Path, name: str) -> dict:
+    """The verify pass of a package generated for the installed torch (importable as ``name``):
+    the quick pass for a ported release; for a newer one the full pass (random and edge values)
+    with every class whose formula or helpers are not :data:`LAST_PORTED`'s left live, and its one
+    warning line. Returns the summary (``verify.json``)."""
+    from vjpgen.runtime.verify import verify_package
+
+    version = installed_torch_version()
+    if not is_newer_than_ported(version):
+        return verify_package(out, name)
+    overlay = Path(__file__).resolve().parent.parent / "derivatives.yaml"
+    summary = verify_package(out, name, edges=True, unported=_unported_classes(overlay if overlay.exists() else None))
+    summary["live_only"] = sorted(importlib.import_module(name).LIVE_ONLY)
+    log.warning("%s", newer_message(version, summary))
+    return summary
+
+
+def _unported_classes(overlay: Path | None) -> dict[str, str]:
+    """{node class: reason} of the installed torch's classes whose formula or called helpers differ
+    from :data:`LAST_PORTED`'s record."""
+    import json
+
+    from vjpgen.codegen.releases import diff, record
+
+    return diff(record(overlay), json.loads(PORTED_RECORD.read_text()))["unported"]

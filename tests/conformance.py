@@ -53,166 +53,13 @@ from vjpgen.runtime.verify import (  # noqa: F401 - the harness core, shared wit
     run,
     walk,
 )
-
-# the edge run also covers the low-precision and single-precision complex dtypes
-EDGE_DTYPES = {
-    **DTYPES, "complex64": torch.complex64, "float16": torch.float16, "bfloat16": torch.bfloat16,
-}
-
-
-# --------------------------------------------------------------------------------------------
-# edge values: the same samples with values where formulas branch
-
-
-def _cycle(t: torch.Tensor, values) -> torch.Tensor:
-    """``t``'s shape filled with ``values`` repeated along the flattened index."""
-    n = t.numel()
-    v = torch.tensor(values, dtype=t.dtype)
-    return v.repeat(n // len(values) + 1)[:n].reshape(t.shape).to(t.device)
-
-
-def _unit(t: torch.Tensor) -> torch.Tensor:
-    """``t / |t|`` (``sgn``), with 1 where ``t`` is 0: a sign that is never 0."""
-    return torch.where(t == 0, torch.ones((), dtype=t.dtype), t.sgn())
-
-
-def _rank_deficient(t: torch.Tensor):
-    if t.dim() < 2 or t.shape[-1] < 2 or t.shape[-2] < 2:
-        return None
-    r = t.clone()
-    r[..., :, 1] = r[..., :, 0]  # two equal columns: singular, rank-deficient, a repeated singular value
-    return r
-
-
-def _identity(t: torch.Tensor):
-    if t.dim() < 2 or t.shape[-1] != t.shape[-2] or t.shape[-1] < 2:
-        return None
-    return torch.eye(t.shape[-1], dtype=t.dtype).expand(t.shape).clone()  # all eigen/singular values tied
-
-
-def _complex_axes(t: torch.Tensor):
-    if not t.is_complex():
-        return None
-    x = t.abs().to(t.dtype)
-    return _cycle(t, [0, 1, 1j, -1, -1j]) * x  # 0, and the positive/negative real and imaginary axes
-
-
-def _empty(t: torch.Tensor):
-    if t.dim() == 0 or t.shape[0] == 0:
-        return None
-    return t[:0].clone()  # zero-size along dim 0 (every tensor of the sample alike)
-
-
-def _zero_dim(t: torch.Tensor):
-    if t.dim() == 0 or t.numel() == 0:
-        return None
-    return t.reshape(-1)[0].clone()  # 0-d
-
-
-# name -> f(values) -> new values or None (the variant does not apply to that tensor)
-EDGE_VARIANTS = {
-    "zeros": torch.zeros_like,
-    "ties": lambda t: _cycle(t, [0.5, -1.0, 0.5, 2.0, -1.0]),  # repeated values (max/min/sort/median/...)
-    "integers": lambda t: (t * 3).round(),  # integer-valued floats (round/floor/ceil/trunc/frac, fmod)
-    "halves": lambda t: (t * 3).round() + 0.5,  # exactly halfway between integers (round's ties)
-    "nonfinite": lambda t: torch.where(
-        _cycle(t.real, [1.0, 0.0, 0.0, 0.0]) != 0, t, _cycle(t, [0.0, float("inf"), float("-inf"), float("nan")])
-    ),
-    "tiny": lambda t: _unit(t) * (torch.finfo(t.dtype).tiny / 4),  # subnormal
-    "huge": lambda t: _unit(t) * (torch.finfo(t.dtype).max / 16),
-    "complex_axes": _complex_axes,
-    "rank_deficient": _rank_deficient,
-    "identity": _identity,
-    "empty": _empty,
-    "zero_dim": _zero_dim,
-}
-
-
-# (OpInfo name, variant) pairs the edge run leaves out, with the reason (listed in REPORT.md)
-EDGE_SKIP = {
-    ("nn.functional.grid_sample", "nonfinite"): "the live GridSampler2DBackward0 node itself segfaults on a "
-    "nan grid with padding_mode='reflection' (torch 2.13 CPU), so there is no oracle",
-    **{
-        ("_segment_reduce", v): "the sample's lengths/offsets index the data tensor; made zero-size or 0-d, "
-        "torch's kernel reads out of bounds (segfault)"
-        for v in ("empty", "zero_dim")
-    },
-    ("nn.functional.pdist", "empty"): "the live PdistBackward node itself segfaults on an input with zero rows",
-    **{
-        (name, "empty"): "torch's own CPU batch norm kernel divides by zero (SIGFPE) on a zero-size input"
-        for name in (
-            "native_batch_norm", "_native_batch_norm_legit", "_batch_norm_with_update", "nn.functional.batch_norm",
-        )
-    },
-}
-
-
-def _edge_map(x, f, hit: list):
-    """``x`` (a sample's input/args/kwargs) with ``f`` applied to each dense floating/complex tensor."""
-    if isinstance(x, torch.Tensor):
-        if x.layout != torch.strided or x.is_nested or not (x.dtype.is_floating_point or x.dtype.is_complex):
-            return x
-        with torch.no_grad():
-            v = f(x.detach())
-        if v is None:
-            return x
-        hit.append(True)
-        return v.to(x.dtype).detach().requires_grad_(x.requires_grad)
-    if isinstance(x, tuple):
-        return tuple(_edge_map(y, f, hit) for y in x)
-    if isinstance(x, list):
-        return [_edge_map(y, f, hit) for y in x]
-    if isinstance(x, dict):
-        return {k: _edge_map(y, f, hit) for k, y in x.items()}
-    return x
-
-
-def edge_samples(s, variants=None):
-    """``(name, sample)`` for each edge variant of sample ``s`` that changes one of its tensors."""
-    import types
-
-    for name in variants or EDGE_VARIANTS:
-        f = EDGE_VARIANTS[name]
-        hit: list = []
-        try:
-            new = types.SimpleNamespace(
-                input=_edge_map(s.input, f, hit), args=_edge_map(s.args, f, hit), kwargs=_edge_map(s.kwargs, f, hit)
-            )
-        except Exception:  # a variant that cannot be built for these dtypes/shapes
-            continue
-        if hit:
-            yield name, new
-
-
-def run_edges(op_names=None, dtypes=tuple(EDGE_DTYPES), max_samples=None, variants=None, log=None):
-    """The edge-value run: each OpInfo sample (CPU) turned into each of :data:`EDGE_VARIANTS`, in
-    every dtype of ``dtypes`` the op supports for backward, every node checked against the live
-    node. Returns {node class: ClassResult} and the per-op errors, as :func:`run`."""
-    results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
-    op_errors: list[str] = []
-    gen = torch.Generator().manual_seed(0)
-    for op, label in autograd_ops(op_names):
-        try:
-            supported = op.supported_backward_dtypes("cpu")
-        except Exception:
-            supported = op.supported_dtypes("cpu")
-        for dname in dtypes:
-            dtype = EDGE_DTYPES[dname]
-            if dtype not in supported:
-                continue
-            try:
-                samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))
-            except Exception as e:
-                op_errors.append(f"{label} {dname}: sample_inputs raised {_short(e)}")
-                continue
-            if max_samples is not None:
-                samples = samples[:max_samples]
-            skip = {v for (o, v) in EDGE_SKIP if o in (label, op.name)}
-            for s in samples:
-                for vname, es in edge_samples(s, [v for v in variants or EDGE_VARIANTS if v not in skip]):
-                    check_sample(op, label, dname, es, results, gen, log, tag=f"{vname} {dname}")
-    return dict(results), op_errors
-
+from vjpgen.runtime.verify import (  # noqa: F401 - the edge-value run, also the verify pass of an unported release
+    EDGE_DTYPES,
+    EDGE_SKIP,
+    EDGE_VARIANTS,
+    edge_samples,
+    run_edges,
+)
 
 def _leaf_grads_ca(outs, leaves, gos, vjpgen_kernels: bool):
     """Grads of ``leaves`` through torch's compiled autograd (eager compiler: the captured graph
@@ -350,7 +197,13 @@ def _verified(r: ClassResult) -> bool:
 
 
 def summarize(results) -> dict:
-    from vjpgen.generated import MODULES
+    import importlib
+
+    from vjpgen import generated
+    from vjpgen.runtime.versions import package_for_installed_torch
+
+    served = package_for_installed_torch(generated.__name__, generated.TORCH_VERSION)  # another release's package
+    MODULES = importlib.import_module(served).MODULES if served else generated.MODULES
 
     tot = collections.Counter()
     for r in results.values():

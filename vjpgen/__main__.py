@@ -122,11 +122,11 @@ def _verify_if_other_release(out: Path) -> None:
     if (out / "verify.json").exists():
         print(f"vjpgen: {out / 'verify.json'} exists (checked when it was generated)")
         return
-    from vjpgen.runtime.verify import verify_package
+    from vjpgen.runtime.versions import verify_generated
 
     sys.path.insert(0, str(out.parent))
     importlib.invalidate_caches()
-    s = verify_package(out, out.name)
+    s = verify_generated(out, out.name)
     print(
         f"vjpgen: verified against torch {installed_torch_version()}'s live nodes in {s['seconds']:.0f}s: "
         f"{s['classes_reached']} classes reached, {s['classes_verified']} verified, "

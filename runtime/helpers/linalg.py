@@ -165,7 +165,7 @@ def _diag_rhs(values: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
     return torch.diag_embed(values.unsqueeze(-1).expand_as(pivots)).mT
 
 
-@register
+@register("linalg_det_backward", torch=">=2.12")
 def linalg_det_backward(grad, det, A, LU, pivots):
     """VJP of ``det(A)``: the G solving ``A^H G = conj(det) * grad * I``.
 
@@ -178,11 +178,15 @@ def linalg_det_backward(grad, det, A, LU, pivots):
     elements and an SVD-based adjugate for those with ``|det| < 100 eps``; that split
     branches on tensor data, as in C++. Mirrors FunctionsManual `linalg_det_backward`.
     """
+    return _det_backward(grad, det, A, LU, pivots, one_by_one=True)
+
+
+def _det_backward(grad, det, A, LU, pivots, one_by_one: bool):
     if grad is None:
         return None
     if A.numel() == 0:
         return torch.zeros_like(A)
-    if A.shape[-1] == 1:
+    if one_by_one and A.shape[-1] == 1:
         # det of a 1x1 matrix is its entry, so d det / dA = 1 whatever A holds (0, inf, nan):
         # the VJP is the grad itself. The general formula below divides by a perturbed pivot
         # and would give 0 at A = 0 and nan at A = inf.
@@ -203,6 +207,16 @@ def linalg_det_backward(grad, det, A, LU, pivots):
         return (U * D.unsqueeze(-2)).matmul(Vh)
 
     return _masked_fmap(det.abs() < 100.0 * eps, singular, non_singular, A, d, grad)
+
+
+@register("linalg_det_backward", torch="<2.12")
+def linalg_det_backward_211(grad, det, A, LU, pivots):
+    """``linalg_det_backward`` as torch 2.11's node computes it: an empty ``A`` gets no grad
+    (undefined; from 2.12 on, zeros shaped like ``A``), and a 1x1 ``A`` takes the general formula
+    (2.12 on: the grad itself, also where the entry is 0 or subnormal)."""
+    if grad is None or A.numel() == 0:
+        return None
+    return _det_backward(grad, det, A, LU, pivots, one_by_one=False)
 
 
 @register

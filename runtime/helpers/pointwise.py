@@ -450,6 +450,34 @@ def i1e_backward(grad: torch.Tensor, self: torch.Tensor, result: torch.Tensor) -
     return _bessel_i1_backward(grad, self, result, torch.special.i0e, sgn_term=True)
 
 
+@register("bessel_j1_backward", torch=">=2.15")
+def bessel_j1_backward(grad: torch.Tensor, self: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """VJP of ``special.bessel_j1`` (differentiable from torch 2.15 on): ``J1'(x) = J0(x) - J1(x) / x``,
+    with its limit 1/2 where ``|x| <= eps`` (the quotient cannot resolve it there; ``eps`` of the
+    input's dtype). NaN stays NaN; at ``+-inf`` both terms vanish.
+
+    Mirrors FunctionsManual ``bessel_j1_backward`` (torch 2.15).
+    """
+    eps = torch.finfo(self.dtype).eps
+    tiny = self.abs() <= eps
+    safe = torch.where(tiny, torch.full((), eps, dtype=self.dtype, device=self.device), self)
+    slope = torch.special.bessel_j0(safe) - result / safe
+    return grad * torch.where(tiny, torch.full((), 0.5, dtype=self.dtype, device=self.device), slope)
+
+
+@register("bessel_y1_backward", torch=">=2.15")
+def bessel_y1_backward(grad: torch.Tensor, self: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """VJP of ``special.bessel_y1`` (differentiable from torch 2.15 on): ``Y1'(x) = Y0(x) - Y1(x) / x``
+    for ``x > 0``; at ``x == 0`` (``Y1 = -inf``) the one-sided limit ``+inf``; NaN where ``Y1`` is
+    (``x < 0``, NaN).
+
+    Mirrors FunctionsManual ``bessel_y1_backward`` (torch 2.15).
+    """
+    slope = torch.special.bessel_y0(self) - result / self
+    inf = torch.full((), math.inf, dtype=self.dtype, device=self.device)
+    return grad * torch.where(self == 0, inf, slope)
+
+
 @register
 def log1p_backward(grad: torch.Tensor, self: torch.Tensor) -> torch.Tensor:
     """VJP of ``log1p``: ``grad / conj(self + 1)`` (strided tensors; the sparse branch is not ported).
