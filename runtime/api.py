@@ -5,11 +5,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import warnings
 
 import torch
 
-from . import engine, graph_task, hooks, leaves, native, walk
+from . import engine, graph_task, higher_order, hooks, leaves, native, walk
 from . import plan as plan_mod
 from . import saved as _saved
 from .sparse import SPARSE_LAYOUTS, leaf_node
@@ -31,11 +30,10 @@ def _opaque(fn):
     return torch._dynamo.disable(fn, reason="vjpgen's backward runs outside the compiled frame")
 
 
-_warned_create_graph = False
-
 # the functions torch had before compiled_autograd() patched anything
 _orig_autograd_backward = torch.autograd.backward
 _orig_tensor_backward = torch.Tensor.backward
+_orig_autograd_grad = torch.autograd.grad
 
 
 def call_functional(node, grads) -> tuple:
@@ -98,7 +96,7 @@ def _make_grads(outputs, grad_outputs) -> tuple:
     return torch.autograd._make_grads(outputs, grad_outputs, is_grads_batched=False)
 
 
-def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused):
+def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False):
     """Common path of backward() and grad(); returns captured grads (grad mode) or None.
 
     Python's cyclic GC is paused for the call (and resumed while a region compiles): the walk
@@ -106,25 +104,27 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     triggers made the per-node cost grow with the graph."""
     if not gc.isenabled():
         with _saved.per_call():  # each node's saved values are read once (saved-tensor hooks)
-            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
+            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
+                             create_graph)
     gc.disable()
     engine.GC_PAUSED = True
     try:
         with _saved.per_call():
-            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
+            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
+                             create_graph)
     finally:
         engine.GC_PAUSED = False
         gc.enable()
 
 
-def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused):
+def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False):
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     STATS.backward_calls += 1
     for t in (*outputs, *(inputs or ())):
         if isinstance(t, torch.Tensor) and t.layout != torch.strided and t.layout not in SPARSE_LAYOUTS:
             return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused,
-                          f"{t.layout} tensors are not captured")
+                          f"{t.layout} tensors are not captured", create_graph)
     grads = _make_grads(outputs, grad_outputs)
     root_edges = [_gradient_edge(t, "tensors", i) for i, t in enumerate(outputs)]
 
@@ -144,7 +144,8 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         # C++ hooks (DDP's reducer on AccumulateGrad) are invisible without the native helper:
         # never compile blindly past them
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused,
-                      "torch.distributed is initialized and the native helper (which sees C++ hooks) is not built")
+                      "torch.distributed is initialized and the native helper (which sees C++ hooks) is not built",
+                      create_graph)
     # which Python-tracked hooks the walk must look for: only without the native helper, which
     # reads every node's hooks from C++ during its walk
     check_t = not native_hooks and hooks.any_tensor_hooks()
@@ -159,6 +160,8 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         )
     hooked_sig = tuple(sorted((i, h.describe()) for i, h in hooked.items())) if hooked else ()
     skey = (key, root_idx, targets, accumulate, hooked_sig, backend)
+    if create_graph:  # its own plan: the regions' caches hold differentiable graphs
+        skey = (*skey, "create_graph")
     plan = _PLANS.get(skey)
     if plan is None:
         tkey = key
@@ -181,7 +184,15 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     else:
         plan.hooked = hooked or {}
     if plan.eager_reason is not None:
-        return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason)
+        return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason,
+                      create_graph)
+    if create_graph:
+        done, res = higher_order.run(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
+                                     allow_unused)
+        if not done:
+            higher_order.record_fallback(1, res)
+            return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, res, True)
+        return res
 
     if plan.n_breaks or not plan.ran or not native_hooks:
         # (the first call of a plan too: a node found untraceable then runs live in this call)
@@ -244,21 +255,10 @@ def _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused
             outputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
         )
         return None
-    return torch.autograd.grad(
+    return _orig_autograd_grad(
         outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
         allow_unused=allow_unused,
     )
-
-
-def _warn_create_graph() -> None:
-    global _warned_create_graph
-    if not _warned_create_graph:
-        _warned_create_graph = True
-        warnings.warn(
-            "vjpgen: create_graph=True is not supported by the compiled backward; "
-            "falling back to torch.autograd (warned once)",
-            stacklevel=3,
-        )
 
 
 @_opaque
@@ -284,9 +284,8 @@ def backward(
             raise RuntimeError("'inputs' argument to backward() cannot be empty.")
     if retain_graph is None:
         retain_graph = create_graph
-    if create_graph:
-        _warn_create_graph()
-        _eager(outputs, grad_tensors, inputs, retain_graph, True, None, "create_graph=True", True)
+    if create_graph:  # compiled as differentiable graphs: runtime/higher_order.py
+        _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None, True)
         return None
     _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None)
     return None
@@ -319,10 +318,12 @@ def grad(
         allow_unused = False
     if retain_graph is None:
         retain_graph = create_graph
-    if create_graph:
-        _warn_create_graph()
-        return _eager(outs, grad_outputs, ins, retain_graph, False, allow_unused, "create_graph=True", True)
+    if create_graph:  # compiled as differentiable graphs: runtime/higher_order.py
+        return _run(outs, grad_outputs, ins, retain_graph, backend, False, allow_unused, True)
     return _run(outs, grad_outputs, ins, retain_graph, backend, False, allow_unused)
+
+
+_grad_body = grad.__wrapped__
 
 
 # ------------------------------------------------------------------------------------------
@@ -365,9 +366,43 @@ def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_grap
     )
 
 
+def _foreign_grad(outputs, inputs) -> bool:
+    """A torch.autograd.grad call that is not vjpgen's to run: inside a torch.func transform, or
+    over tensor subclasses (fake tensors of a trace included)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    for t in (*_tensors(outputs), *_tensors(inputs)):
+        if isinstance(t, torch.Tensor) and (
+            type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+            or torch._C._functorch.is_functorch_wrapped_tensor(t)
+        ):
+            return True
+    return False
+
+
+@_opaque
+def _patched_autograd_grad(
+    outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+    allow_unused=None, is_grads_batched=False, materialize_grads=False,
+):
+    if not _backend_stack or is_grads_batched or materialize_grads or _foreign_grad(outputs, inputs):
+        # batched grads, materialize_grads, tensor subclasses and torch.func transforms (whose
+        # vjp calls torch.autograd.grad on its wrapped tensors) stay with torch.autograd
+        return _orig_autograd_grad(
+            outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
+            only_inputs=only_inputs, allow_unused=allow_unused, is_grads_batched=is_grads_batched,
+            materialize_grads=materialize_grads,
+        )
+    return _grad_body(
+        outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
+        allow_unused=allow_unused, backend=_backend_stack[-1],
+    )
+
+
 @contextlib.contextmanager
 def compiled_autograd(backend="inductor"):
-    """Within the block, ``Tensor.backward`` and ``torch.autograd.backward`` run through vjpgen."""
+    """Within the block, ``Tensor.backward``, ``torch.autograd.backward`` and
+    ``torch.autograd.grad`` run through vjpgen."""
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     _backend_stack.append(backend)
@@ -375,6 +410,7 @@ def compiled_autograd(backend="inductor"):
     if patched_here:
         torch.autograd.backward = _patched_autograd_backward
         torch.Tensor.backward = _patched_tensor_backward
+        torch.autograd.grad = _patched_autograd_grad
     try:
         yield
     finally:
@@ -382,3 +418,4 @@ def compiled_autograd(backend="inductor"):
         if patched_here:
             torch.autograd.backward = _orig_autograd_backward
             torch.Tensor.backward = _orig_tensor_backward
+            torch.autograd.grad = _orig_autograd_grad

@@ -1,0 +1,506 @@
+"""``create_graph=True`` compiled, to any order.
+
+A create_graph backward runs the plan's compiled regions as differentiable functions: each region
+is traced from the generated kernels (``apply_functional``) into one aten graph, compiled, and
+called as one :class:`torch.autograd.Function` (:class:`_DiffFn`) whose inputs are the region's
+tensors (saved tensors and incoming grads; those that require grad carry the history). The
+Function's backward is the vjp of the same Python function (``torch.func.vjp`` of the region's
+kernels), traced with make_fx and compiled: a :class:`DiffGraph` again, so when grad mode is on
+in that backward (a further ``create_graph``) the vjp runs through the same wrapper, and every
+order is a compiled graph.
+
+Fallbacks, always counted in ``stats()`` (``higher_order``) and always eager's values:
+
+* the whole call goes to ``torch.autograd`` (decided from the plan before anything runs) when the
+  graph has a live node, hooks, sparse or non-strided leaves, or when tracing a region fails on
+  the plan's first call (then the plan remembers it);
+* the vjp of one order whose trace fails runs ``torch.func.vjp`` of the kernels eagerly (the
+  Python function, not the compiled graph) and is remembered for that graph and requires-grad
+  pattern; ``torch.func`` keeps it differentiable, so the orders above it stay correct.
+
+The requires-grad pattern of a region's tensors is part of its cache key (one
+:class:`~vjpgen.runtime.cache.RegionCache` per pattern). Sizes become dynamic after one change as
+at first order; a vjp traced from a dynamic graph is dynamic too, unless its trace adds shape
+guards, then it is specialized on the exact sizes it met.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import capture, engine, sparse
+from .cache import Compiled, make_guard
+from .leaves import _clone_obey_contract
+from .plan import Region
+from .release import release_nodes
+from .stats import STATS
+
+log = logging.getLogger("vjpgen")
+
+
+# ------------------------------------------------------------------------------------------
+# counters (STATS.higher_order)
+
+
+def _counters() -> dict:
+    return STATS.higher_order
+
+
+def record_fallback(order: int, reason: str) -> None:
+    h = _counters()
+    h["eager_fallbacks"][order] += 1
+    h["fallback_reasons"][f"order {order}: {reason}"] += 1
+
+
+def _count(kind: str, order: int) -> None:
+    _counters()[kind][order] += 1
+
+
+# ------------------------------------------------------------------------------------------
+# differentiable compiled graphs
+
+
+_EAGER = object()  # a vjp that could not be traced: computed with torch.func.vjp eagerly
+
+
+class Family:
+    """What every compiled graph of one function shares, static or dynamic: the function with all
+    its ints as arguments, ``pyfn(*tensors, *all_ints)``. A later backward that traces this
+    graph's vjp (:class:`DiffFnModule`) keys on the family, so a region that turns dynamic does not
+    change the key of the regions that differentiate it."""
+
+    __slots__ = ("pyfn", "n_tensors", "n_ints", "order", "vjp_families", "__weakref__")
+
+    def __init__(self, pyfn, n_tensors, n_ints, order):
+        self.pyfn = pyfn
+        self.n_tensors = n_tensors
+        self.n_ints = n_ints
+        self.order = order
+        self.vjp_families: dict = {}
+
+    def vjp_family(self, mask: tuple, n_out: int) -> "Family":
+        f = self.vjp_families.get(mask)
+        if f is None:
+            f = self.vjp_families[mask] = Family(
+                _vjp_pyfn(self.pyfn, self.n_tensors, self.n_ints, mask), self.n_tensors + n_out, self.n_ints,
+                self.order + 1,
+            )
+        return f
+
+
+class DiffGraph:
+    """One compiled graph of a pure function ``pyfn(*tensors, *ints) -> list[Tensor]`` whose calls
+    are differentiable (see the module docstring).
+
+    ``fakes``: the fake tensors and ints it was traced with (their ShapeEnv holds the symbolic
+    sizes of a dynamic trace); ``out_fakes``: its outputs' fake values."""
+
+    __slots__ = (
+        "pyfn", "fn", "gm", "fakes", "out_fakes", "n_tensors", "order", "backend", "label", "vjps", "family",
+    )
+
+    def __init__(self, pyfn, fn, gm, fakes, out_fakes, n_tensors, order, backend, label, family):
+        self.pyfn = pyfn
+        self.fn = fn  # boxed compiled callable
+        self.gm = gm
+        self.fakes = fakes
+        self.out_fakes = out_fakes
+        self.n_tensors = n_tensors
+        self.order = order
+        self.backend = backend
+        self.label = label
+        self.vjps: dict = {}  # requires-grad mask -> [(exact-size key or None, DiffGraph | _EAGER)]
+        self.family = family
+
+    def call(self, tensors: list, ints: list, all_ints: list) -> tuple:
+        """The outputs; with grad mode on and an input that requires grad, through :class:`_DiffFn`.
+        ``ints``: the graph's int arguments (its dynamic sizes); ``all_ints``: its family's."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return _DiffFn.apply(self, ints, all_ints, *tensors)
+        _count("compiled_calls", self.order)
+        return tuple(self.fn([*tensors, *ints]))
+
+    # -- the vjp
+
+    def vjp_for(self, mask: tuple, tensors, ints):
+        """The DiffGraph of this graph's vjp for the inputs in ``mask`` (or _EAGER)."""
+        entries = self.vjps.setdefault(mask, [])
+        exact = None
+        for key, dg in entries:
+            if key is None:
+                return dg
+            if exact is None:
+                exact = _exact_key(tensors, ints)
+            if key == exact:
+                return dg
+        dg, key = self._trace_vjp(mask, tensors, ints)
+        entries.append((key, dg))
+        return dg
+
+    def _trace_vjp(self, mask, tensors, ints):
+        n = self.n_tensors
+        k = len(self.fakes) - n
+        pyfn = _vjp_pyfn(self.pyfn, n, k, mask)
+        order = self.order + 1
+        label = f"{self.label}, order {order}"
+        fake_mode = torch._guards.detect_fake_mode(self.fakes[:n])
+        shape_env = getattr(fake_mode, "shape_env", None)
+        n_guards = len(shape_env.guards) if shape_env is not None else 0
+        try:
+            with fake_mode:
+                cts = [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in self.out_fakes]
+            fargs = [*self.fakes[:n], *cts, *self.fakes[n:]]
+            gm = _trace_in_mode(pyfn, fargs, fake_mode)
+        except Exception as e:  # no derivative for an op of the kernels, a data-dependent shape, ...
+            reason = f"{type(e).__name__} while tracing the vjp: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            log.debug("vjpgen: %s: %s; eager torch.func.vjp", label, reason)
+            record_fallback(order, reason)
+            return _EAGER, None
+        specialized = shape_env is not None and len(shape_env.guards) != n_guards
+        if specialized:  # the vjp trace narrowed the sizes: keep it for exactly these sizes
+            try:
+                fargs, gm = self._static_trace(pyfn, tensors, ints)
+            except Exception as e:
+                record_fallback(order, f"{type(e).__name__} while tracing the vjp statically")
+                return _EAGER, None
+        out_fakes = _out_fakes(gm)
+        t0 = time.perf_counter()
+        fn = capture.compile_graph(gm, fargs, self.backend)
+        log.debug("vjpgen: compiled %s in %.2fs", label, time.perf_counter() - t0)
+        _count("compiles", order)
+        STATS.compiles += 1
+        ntens = n + len(self.out_fakes)
+        fam = self.family.vjp_family(mask, len(self.out_fakes))
+        dg = DiffGraph(pyfn, fn, gm, fargs, out_fakes, ntens, order, self.backend, label, fam)
+        return dg, (_exact_key(tensors, ints) if specialized else None)
+
+    def _static_trace(self, pyfn, tensors, ints):
+        """A trace of ``pyfn`` with every size static, from the real tensors."""
+        n = self.n_tensors
+        with torch.no_grad():  # real-shaped cotangents: the outputs' sizes for these inputs
+            real_cts = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in self.fn([*tensors, *ints])]
+        fakes, ivals, _, mode = capture.fakeify([*tensors, *real_cts], list(ints), {}, set())
+        fargs = [*fakes, *ivals]
+        return fargs, _trace_in_mode(pyfn, fargs, mode)
+
+
+def _exact_key(tensors, ints) -> tuple:
+    return tuple(tuple(t.shape) for t in tensors), tuple(int(i) for i in ints)
+
+
+def _out_fakes(gm) -> list:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    args = out.args[0]
+    return [a.meta["val"] for a in args]
+
+
+def _trace_in_mode(pyfn, fargs, fake_mode):
+    """make_fx of ``pyfn`` over fake arguments of an existing fake mode (and its ShapeEnv)."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with enable_python_dispatcher(), fake_mode:
+        return make_fx(pyfn, tracing_mode="real", _allow_non_fake_inputs=False)(*fargs)
+
+
+def _vjp_pyfn(pyfn, n: int, k: int, mask: tuple):
+    """``vjp(*tensors, *cotangents, *ints)``: the grads of ``pyfn`` for the tensors in ``mask``
+    (zeros where unused), by ``torch.func.vjp``, which keeps the result differentiable for any
+    transform or autograd above it."""
+    diff_idx = [i for i in range(n) if mask[i]]
+
+    def vjp(*args):
+        prim = list(args[:n])
+        ints = list(args[len(args) - k:]) if k else []
+        cts = tuple(args[n:len(args) - k])
+
+        def f(*d):
+            a = list(prim)
+            for i, x in zip(diff_idx, d):
+                a[i] = x
+            return tuple(pyfn(*a, *ints))
+
+        _, pull = torch.func.vjp(f, *[prim[i] for i in diff_idx])
+        return list(pull(cts))
+
+    return vjp
+
+
+class _DiffFn(torch.autograd.Function):
+    """One call of a :class:`DiffGraph` as a node of the autograd graph."""
+
+    @staticmethod
+    def forward(ctx, dg, ints, all_ints, *tensors):
+        _count("compiled_calls", dg.order)
+        outs = dg.fn([*tensors, *ints])
+        ctx.dg = dg
+        ctx.ints = ints
+        ctx.all_ints = all_ints
+        ctx.save_for_backward(*tensors)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *cts):
+        dg = ctx.dg
+        ints = ctx.ints
+        tensors = list(ctx.saved_tensors)
+        mask = tuple(ctx.needs_input_grad[3:])
+        cts = [c.contiguous() for c in cts]  # the vjp graph was traced with contiguous cotangents
+        vjp = dg.vjp_for(mask, tensors, ints)
+        if vjp is _EAGER:
+            record_fallback(dg.order + 1, "vjp computed eagerly (torch.func.vjp of the kernels)")
+            fam = dg.family
+            gs = _vjp_pyfn(fam.pyfn, fam.n_tensors, fam.n_ints, mask)(*tensors, *cts, *ctx.all_ints)
+        else:
+            gs = vjp.call([*tensors, *cts], list(ints), ctx.all_ints)
+        res = [None] * len(tensors)
+        k = 0
+        for i, m in enumerate(mask):
+            if m:
+                res[i] = gs[k]
+                k += 1
+        return (None, None, None, *res)
+
+
+class DiffFnModule:
+    """The generated-module interface for :class:`_DiffFn`'s backward node: a graph walked later
+    (the next ``grad``/``backward`` through a create_graph result) traces the node as the vjp of
+    the region's kernels, fused with the rest of its region, instead of calling it live."""
+
+    NAME = "_DiffFnBackward"
+    SAVED = ("tensors", "graph", "mask", "ints", "output_metadata")
+    SCHEMA = ("Tensor[]", "Any", "bool[]", "SymInt[]", "(SymInt[], ScalarType, Device)[]")
+    USES_EDGE_META = False
+    TRANSLATED = True
+
+    def get_saved(self, node, edge_meta=None) -> list:
+        outs = tuple((tuple(m.shape), m.dtype, m.device) for m in node._input_metadata)
+        return [list(node.saved_tensors), node.dg.family, tuple(node.needs_input_grad[3:]), list(node.all_ints), outs]
+
+    def get_needs(self, node, should_compute=None) -> tuple:
+        nf = node.next_functions
+        return tuple(nf[j][0] is not None and (should_compute is None or should_compute(j)) for j in range(len(nf)))
+
+    def get_state(self, node, should_compute=None) -> list:
+        return [self.get_needs(node, should_compute), *self.get_saved(node)]
+
+    def apply_functional(self, grads, needs_input_grad, tensors, fam, mask, ints, outs):
+        cts = [
+            torch.zeros(shape, dtype=dt, device=dev) if g is None else g.contiguous()
+            for g, (shape, dt, dev) in zip(grads, outs)
+        ]
+        _count("traced_vjps", fam.order + 1)
+        gs = _vjp_pyfn(fam.pyfn, fam.n_tensors, fam.n_ints, mask)(*tensors, *cts, *ints)
+        res = []
+        k = 0
+        for j, m in enumerate(mask):
+            g = None
+            if m:
+                g = gs[k]
+                k += 1
+            res.append(g if needs_input_grad[j] else None)
+        return res
+
+    def apply_functional_ivalue(self, grads, stack):
+        return self.apply_functional(grads, *stack)
+
+
+_DiffFn.vjpgen_module = DiffFnModule()
+
+
+# ------------------------------------------------------------------------------------------
+# order 1: the plan's regions
+
+
+class _Entry(Compiled):
+    __slots__ = ("dg",)
+
+
+def _region_caches(plan) -> dict:
+    c = getattr(plan, "ho_caches", None)
+    if c is None:
+        c = plan.ho_caches = {}
+    return c
+
+
+def fallback_reason(plan, nodes):
+    """Why this plan's create_graph backward goes to torch.autograd as a whole (None: it compiles).
+    Read from the plan alone, before anything runs."""
+    r = getattr(plan, "ho_eager", None)
+    if r is not None:
+        return r
+    for st in plan.steps:
+        if type(st) is not Region:
+            info = plan.infos[st.node]
+            return f"create_graph with a live node ({info.name}: {info.live[1] if info.live else 'live'})"
+    if plan.hooked:
+        return "create_graph with hooks on the graph"
+    if plan.layout_leaves and sparse.check_layout_leaves(plan, nodes):
+        return "create_graph with a sparse leaf"
+    return None
+
+
+def _region_order(region, plan, nodes) -> int:
+    """1 + the highest order of the create_graph graphs whose backward nodes the region traces."""
+    o = 0
+    for i in region.nodes:
+        if isinstance(plan.infos[i].module, DiffFnModule):
+            o = max(o, nodes[i].dg.family.order)
+    return o + 1
+
+
+def _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family):
+    fakes, ivals, shape_env, mode = capture.fakeify(T, I, dd, di)
+    dyn_ints = sorted(di)
+    present: list = []
+    pyfn = engine._make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
+    fargs = list(fakes) + [ivals[j] for j in dyn_ints]
+    gm = capture.trace(pyfn, fargs)
+    out_fakes = _out_fakes(gm)
+    guard = guard_src = None
+    if dd or di:
+        guard, guard_src = make_guard(shape_env, fakes, ivals)
+    fn = capture.compile_graph(gm, fargs, backend)
+    e = _Entry(fn, list(present), gm, len(T), dyn_ints, guard, guard_src, None, None)
+    e.dg = DiffGraph(pyfn, fn, gm, fargs, out_fakes, len(T), order, backend, f"{region.label} (create_graph)", family)
+    return e
+
+
+def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
+    S, T, I, _, _, _ = engine._gather(region, plan, nodes, metas, buf)
+    if sparse.any_sparse(T):
+        raise _Fallback("create_graph with sparse tensors in the graph")
+    rg = tuple(t.requires_grad for t in T)
+    caches = _region_caches(plan)
+    from .cache import RegionCache
+
+    cache = caches.get((region.index, rg))
+    if cache is None:
+        cache = caches[(region.index, rg)] = RegionCache(f"{region.label} (create_graph)")
+    entry, fk = cache.lookup(S, T, I)
+    if entry is None:
+        _, _, _, _, lT, lI = engine._gather(region, plan, nodes, metas, buf, labels=True)
+        dd, di, reason = cache.plan_miss(S, T, I, lT, lI)
+        STATS.cache_misses += 1
+        if cache.n_compiled:
+            STATS.recompiles += 1
+            STATS.recompile_reasons.append(f"{region.label} (create_graph): {reason}")
+        order = _region_order(region, plan, nodes)
+        fams = cache.families = getattr(cache, "families", None) or {}
+        family = fams.get(S)
+        if family is None:
+            full = engine._make_region_fn(region, plan, S, len(T), list(I), range(len(I)), [])
+            family = fams[S] = Family(full, len(T), len(I), order)
+        with engine._gc_resumed():
+            try:
+                entry = _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family)
+            except engine._NodeTraceError as e:
+                if not (dd or di):
+                    raise _Fallback(
+                        f"create_graph: {plan.infos[e.node_index].name} cannot be traced "
+                        f"({type(e.exc).__name__}: {str(e.exc).splitlines()[0][:160] if str(e.exc) else ''})",
+                        remember=True,
+                    ) from None
+                STATS.recompile_reasons.append(f"{region.label}: dynamic trace failed, specialized")
+                entry = _compile(region, plan, S, T, I, {}, set(), backend, lT, lI, order, family)
+        STATS.compiles += 1
+        _count("compiles", entry.dg.order)
+        cache.add(S, T, I, fk, entry)
+    else:
+        STATS.cache_hits += 1
+        entry.hits += 1
+    return entry, T, I
+
+
+class _Fallback(Exception):
+    def __init__(self, reason, remember=False):
+        super().__init__(reason)
+        self.reason = reason
+        self.remember = remember
+
+
+def run(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused):
+    """Execute ``plan`` with create_graph semantics. Returns ``(True, result)`` or ``(False, reason)``
+    when the whole call must go to torch.autograd (nothing has run then)."""
+    reason = fallback_reason(plan, nodes)
+    if reason is not None:
+        return False, reason
+    with torch.enable_grad():  # the engine runs a create_graph backward in grad mode
+        buf = [None] * plan.nslots
+        for (s, g), (ri, nr) in zip(zip(plan.root_slots, grads), plan.root_edges):
+            m = metas[ri][nr]
+            g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
+            buf[s] = g if buf[s] is None else buf[s] + g
+        # trace and compile every region before running any (a failure leaves nothing half done)
+        work = []
+        try:
+            for region in plan.steps:
+                entry, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, backend)
+                work.append((region, entry, T, I))
+                if len(plan.steps) > 1:  # later regions read this one's outputs: run it now
+                    _run_region(region, entry, T, I, buf, metas, plan)
+                    work[-1] = None
+        except _Fallback as f:
+            if f.remember:
+                plan.ho_eager = f.reason
+            return False, f.reason
+        if not retain_graph:
+            release_nodes(nodes, [i for r in plan.steps for i in r.nodes], plan.infos)
+        for w in work:
+            if w is not None:
+                _run_region(*w, buf, metas, plan)
+        # sinks
+        for ai, s in plan.acc_sinks:
+            g = buf[s]
+            if g is not None:
+                _accumulate(nodes[ai].variable, g)
+        if targets is None:
+            return True, None
+        captured = [None if s is None else buf[s] for s in plan.target_slots]
+        if accumulate:
+            for t, tgt, g in zip(inputs, targets, captured):
+                if g is None or tgt is None or plan.infos[tgt[0]].is_acc:
+                    continue
+                t.grad = g if t.grad is None else t.grad + g
+            return True, None
+        for g in captured:
+            if g is None and not allow_unused:
+                raise RuntimeError(
+                    "One of the differentiated Tensors appears to not have been used in "
+                    "the graph. Set allow_unused=True if this is the desired behavior."
+                )
+        return True, tuple(captured)
+
+
+def _run_region(region, entry, T, I, buf, metas, plan) -> None:
+    dg = entry.dg
+    ints = [I[j] for j in entry.dyn_ints]
+    outs = dg.call(list(T), ints, I)
+    k = 0
+    for s, present, replace, (d, nr) in zip(region.out_slots, entry.present, region.out_replace, region.out_dest):
+        if not present:
+            if replace:
+                buf[s] = None
+            continue
+        g = outs[k]
+        k += 1
+        m = metas[d][nr]
+        if g.dtype != m.dtype or g.device != m.device or tuple(g.shape) != tuple(m.shape):
+            g = capture.validate_grad(g, m.shape, m.dtype, m.device, f"for input {nr} of {plan.infos[d].name}")
+        if replace or buf[s] is None:
+            buf[s] = g
+        else:
+            buf[s] = buf[s] + g
+
+
+def _accumulate(var, grad) -> None:
+    """AccumulateGrad in grad mode (create_graph): a differentiable copy, or ``.grad + grad``."""
+    vg = var.grad
+    if vg is None:
+        var.grad = _clone_obey_contract(grad, var)
+    elif vg.is_sparse and not grad.is_sparse:
+        var.grad = grad + vg
+    else:
+        var.grad = vg + grad
