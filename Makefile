@@ -51,7 +51,7 @@ demo-ddp: $(STAMP) generate
 	$(PY) -m vjpgen.runtime.demo_ddp
 
 coverage: $(STAMP)
-	$(PY) -m tests.conformance --out coverage --compiled-autograd --edges --edge-max-samples 2
+	$(PY) -m tests.conformance --out coverage --compiled-autograd --edges --edge-max-samples 2 --higher-order
 
 bench-generate: $(STAMP)
 	$(PY) bench/bench_generate.py
