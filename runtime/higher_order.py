@@ -368,8 +368,21 @@ def _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family):
     return e
 
 
+def _gather(region, plan, nodes, metas, buf, labels=False):
+    try:
+        return engine._gather(region, plan, nodes, metas, buf, labels)
+    except engine._NodeTraceError as e:
+        if isinstance(e.exc, RuntimeError) and engine._SECOND_BACKWARD in str(e.exc):
+            raise e.exc from None  # this graph was freed by an earlier backward: eager raises too
+        msg = str(e.exc).splitlines()[0][:160] if str(e.exc) else ""
+        raise _Fallback(
+            f"create_graph: the state of {plan.infos[e.node_index].name} cannot be read "
+            f"({type(e.exc).__name__}: {msg})", remember=True,
+        ) from None
+
+
 def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
-    S, T, I, _, _, _ = engine._gather(region, plan, nodes, metas, buf)
+    S, T, I, _, _, _ = _gather(region, plan, nodes, metas, buf)
     if sparse.any_sparse(T):
         raise _Fallback("create_graph with sparse tensors in the graph")
     rg = tuple(t.requires_grad for t in T)
@@ -381,7 +394,7 @@ def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
         cache = caches[(region.index, rg)] = RegionCache(f"{region.label} (create_graph)")
     entry, fk = cache.lookup(S, T, I)
     if entry is None:
-        _, _, _, _, lT, lI = engine._gather(region, plan, nodes, metas, buf, labels=True)
+        _, _, _, _, lT, lI = _gather(region, plan, nodes, metas, buf, labels=True)
         dd, di, reason = cache.plan_miss(S, T, I, lT, lI)
         STATS.cache_misses += 1
         if cache.n_compiled:
