@@ -31,8 +31,8 @@ import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import capture, engine, sparse
-from .cache import Compiled, make_guard
+from . import capture, engine, fastpath, sparse
+from .cache import Compiled, find, make_guard
 from .leaves import _clone_obey_contract
 from .plan import Region
 from .release import release_nodes
@@ -381,7 +381,61 @@ def _gather(region, plan, nodes, metas, buf, labels=False):
         ) from None
 
 
+_MAX_FAST = 4  # specialized gathers per region (see vjpgen.runtime.fastpath)
+
+
+def _fast_lookup(region, plan, nodes, metas, buf):
+    """A structure seen before: its specialized gather, then the entry tables of its S and
+    requires-grad pattern. Returns (entry, T, I) or None (then the general path decides)."""
+    fast = getattr(plan, "ho_fast", None)
+    lst = fast.get(region.index) if fast else None
+    if not lst:
+        return None
+    for fn, rg, by_ints, by_meta in lst:
+        try:
+            r = fn(nodes, metas, buf)
+        except Exception:  # e.g. freed saved tensors: the general path reports it
+            return None
+        if r is None:
+            continue
+        T, I = r
+        if tuple([t.requires_grad for t in T]) != rg:
+            continue
+        try:
+            e = find(by_ints, by_meta, T, I)
+        except TypeError:
+            e = None
+        if e is not None:
+            return e, T, I
+    return None
+
+
+def _remember(region, plan, nodes, metas, buf, S, rg, cache) -> None:
+    fast = getattr(plan, "ho_fast", None)
+    if fast is None:
+        fast = plan.ho_fast = {}
+    lst = fast.setdefault(region.index, [])
+    seen = getattr(plan, "ho_fast_keys", None)
+    if seen is None:
+        seen = plan.ho_fast_keys = set()
+    if len(lst) >= _MAX_FAST or (region.index, S, rg) in seen:
+        return
+    seen.add((region.index, S, rg))
+    try:
+        fn = fastpath.specialize(region, plan, nodes, metas, buf, S)
+    except Exception as e:  # never fatal: the general path keeps working
+        log.debug("vjpgen: specializing the create_graph gather of %s failed: %s", region.label, e)
+        fn = None
+    if fn is not None:
+        lst.append((fn, rg, *cache.tables(S)))
+
+
 def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
+    r = _fast_lookup(region, plan, nodes, metas, buf)
+    if r is not None:
+        STATS.cache_hits += 1
+        r[0].hits += 1
+        return r
     S, T, I, _, _, _ = _gather(region, plan, nodes, metas, buf)
     if sparse.any_sparse(T):
         raise _Fallback("create_graph with sparse tensors in the graph")
@@ -424,6 +478,7 @@ def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
     else:
         STATS.cache_hits += 1
         entry.hits += 1
+    _remember(region, plan, nodes, metas, buf, S, rg, cache)
     return entry, T, I
 
 
