@@ -31,8 +31,9 @@ import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import capture, engine, fastpath, sparse
-from .cache import Compiled, find, make_guard
+from . import capture, engine, fastpath, graph_task, native, sparse
+from . import saved as _saved
+from .cache import Compiled, RegionCache, find, make_guard
 from .leaves import _clone_obey_contract
 from .plan import Region
 from .release import release_nodes
@@ -326,17 +327,10 @@ def _region_caches(plan) -> dict:
 
 
 def fallback_reason(plan, nodes):
-    """Why this plan's create_graph backward goes to torch.autograd as a whole (None: it compiles).
+    """Why this plan's create_graph backward goes to torch.autograd as a whole (None: it runs here).
     Read from the plan alone, before anything runs."""
-    r = getattr(plan, "ho_eager", None)
-    if r is not None:
-        return r
-    for st in plan.steps:
-        if type(st) is not Region:
-            info = plan.infos[st.node]
-            return f"create_graph with a live node ({info.name}: {info.live[1] if info.live else 'live'})"
-    if plan.hooked:
-        return "create_graph with hooks on the graph"
+    if plan.hooked and native.module() is None:
+        return "create_graph with hooks on the graph and no native helper (which runs them as the engine does)"
     if plan.layout_leaves and sparse.check_layout_leaves(plan, nodes):
         return "create_graph with a sparse leaf"
     return None
@@ -368,19 +362,6 @@ def _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family):
     return e
 
 
-def _gather(region, plan, nodes, metas, buf, labels=False):
-    try:
-        return engine._gather(region, plan, nodes, metas, buf, labels)
-    except engine._NodeTraceError as e:
-        if isinstance(e.exc, RuntimeError) and engine._SECOND_BACKWARD in str(e.exc):
-            raise e.exc from None  # this graph was freed by an earlier backward: eager raises too
-        msg = str(e.exc).splitlines()[0][:160] if str(e.exc) else ""
-        raise _Fallback(
-            f"create_graph: the state of {plan.infos[e.node_index].name} cannot be read "
-            f"({type(e.exc).__name__}: {msg})", remember=True,
-        ) from None
-
-
 _MAX_FAST = 4  # specialized gathers per region (see vjpgen.runtime.fastpath)
 
 
@@ -388,7 +369,7 @@ def _fast_lookup(region, plan, nodes, metas, buf):
     """A structure seen before: its specialized gather, then the entry tables of its S and
     requires-grad pattern. Returns (entry, T, I) or None (then the general path decides)."""
     fast = getattr(plan, "ho_fast", None)
-    lst = fast.get(region.index) if fast else None
+    lst = fast.get(tuple(region.nodes)) if fast else None
     if not lst:
         return None
     for fn, rg, by_ints, by_meta in lst:
@@ -414,13 +395,14 @@ def _remember(region, plan, nodes, metas, buf, S, rg, cache) -> None:
     fast = getattr(plan, "ho_fast", None)
     if fast is None:
         fast = plan.ho_fast = {}
-    lst = fast.setdefault(region.index, [])
+    key = tuple(region.nodes)
+    lst = fast.setdefault(key, [])
     seen = getattr(plan, "ho_fast_keys", None)
     if seen is None:
         seen = plan.ho_fast_keys = set()
-    if len(lst) >= _MAX_FAST or (region.index, S, rg) in seen:
+    if len(lst) >= _MAX_FAST or (key, S, rg) in seen:
         return
-    seen.add((region.index, S, rg))
+    seen.add((key, S, rg))
     try:
         fn = fastpath.specialize(region, plan, nodes, metas, buf, S)
     except Exception as e:  # never fatal: the general path keeps working
@@ -436,19 +418,22 @@ def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
         STATS.cache_hits += 1
         r[0].hits += 1
         return r
-    S, T, I, _, _, _ = _gather(region, plan, nodes, metas, buf)
+    try:
+        S, T, I, _, _, _ = engine._gather(region, plan, nodes, metas, buf)
+    except engine._NodeTraceError as e:
+        e.when = "get_state"
+        raise
     if sparse.any_sparse(T):
-        raise _Fallback("create_graph with sparse tensors in the graph")
+        return None, None, None
     rg = tuple(t.requires_grad for t in T)
     caches = _region_caches(plan)
-    from .cache import RegionCache
-
-    cache = caches.get((region.index, rg))
+    ck = (tuple(region.nodes), rg)  # a re-partitioned plan (a graph break) has new regions
+    cache = caches.get(ck)
     if cache is None:
-        cache = caches[(region.index, rg)] = RegionCache(f"{region.label} (create_graph)")
+        cache = caches[ck] = RegionCache(f"{region.label} (create_graph)")
     entry, fk = cache.lookup(S, T, I)
     if entry is None:
-        _, _, _, _, lT, lI = _gather(region, plan, nodes, metas, buf, labels=True)
+        _, _, _, _, lT, lI = engine._gather(region, plan, nodes, metas, buf, labels=True)
         dd, di, reason = cache.plan_miss(S, T, I, lT, lI)
         STATS.cache_misses += 1
         if cache.n_compiled:
@@ -463,13 +448,9 @@ def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
         with engine._gc_resumed():
             try:
                 entry = _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family)
-            except engine._NodeTraceError as e:
+            except engine._NodeTraceError:
                 if not (dd or di):
-                    raise _Fallback(
-                        f"create_graph: {plan.infos[e.node_index].name} cannot be traced "
-                        f"({type(e.exc).__name__}: {str(e.exc).splitlines()[0][:160] if str(e.exc) else ''})",
-                        remember=True,
-                    ) from None
+                    raise
                 STATS.recompile_reasons.append(f"{region.label}: dynamic trace failed, specialized")
                 entry = _compile(region, plan, S, T, I, {}, set(), backend, lT, lI, order, family)
         STATS.compiles += 1
@@ -482,64 +463,93 @@ def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
     return entry, T, I
 
 
-class _Fallback(Exception):
-    def __init__(self, reason, remember=False):
-        super().__init__(reason)
-        self.reason = reason
-        self.remember = remember
-
-
 def run(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused):
     """Execute ``plan`` with create_graph semantics. Returns ``(True, result)`` or ``(False, reason)``
-    when the whole call must go to torch.autograd (nothing has run then)."""
+    when the whole call must go to torch.autograd (decided from the plan: nothing has run then).
+
+    Compiled regions run as differentiable graphs; live steps (graph breaks: nodes without a
+    kernel, hooks, custom Functions that cannot be traced) and the nodes of a region that cannot
+    be traced run as the engine runs them, in grad mode, so their grads carry eager's history."""
     reason = fallback_reason(plan, nodes)
     if reason is not None:
         return False, reason
+    if len(plan.steps) == 1 and not plan.live_acc_bytes and type(plan.steps[0]) is Region:
+        return True, _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
+                              allow_unused)
+    box = []  # live steps run inside a real graph task of torch's engine (see api._run_call)
+
+    def job():
+        box.append(_execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
+                            allow_unused))
+
+    graph_task.run(job, keep_graph=bool(retain_graph))
+    return True, (box[0] if box else None)
+
+
+def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused):
+    ctx = engine.CallContext(backend, release=not retain_graph)
     with torch.enable_grad():  # the engine runs a create_graph backward in grad mode
         buf = [None] * plan.nslots
         for (s, g), (ri, nr) in zip(zip(plan.root_slots, grads), plan.root_edges):
             m = metas[ri][nr]
             g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
             buf[s] = g if buf[s] is None else buf[s] + g
-        # trace and compile every region before running any (a failure leaves nothing half done)
-        work = []
-        try:
-            for region in plan.steps:
-                entry, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, backend)
-                work.append((region, entry, T, I))
-                if len(plan.steps) > 1:  # later regions read this one's outputs: run it now
-                    _run_region(region, entry, T, I, buf, metas, plan)
-                    work[-1] = None
-        except _Fallback as f:
-            if f.remember:
-                plan.ho_eager = f.reason
-            return False, f.reason
-        if not retain_graph:
-            release_nodes(nodes, [i for r in plan.steps for i in r.nodes], plan.infos)
-        for w in work:
-            if w is not None:
-                _run_region(*w, buf, metas, plan)
-        # sinks
-        for ai, s in plan.acc_sinks:
-            g = buf[s]
-            if g is not None:
-                _accumulate(nodes[ai].variable, g)
+        early = plan.acc_early
+        if -1 in early:
+            _sinks(plan, nodes, buf, early[-1], ctx)
+        for k, step in enumerate(list(plan.steps)):  # a graph break found now re-partitions plan.steps
+            if type(step) is Region:
+                _step_region(step, plan, nodes, metas, buf, ctx, backend)
+            else:
+                engine._run_live(step.node, plan, nodes, metas, buf, ctx)
+            if k in early:
+                _sinks(plan, nodes, buf, early[k], ctx)
+        _sinks(plan, nodes, buf, plan.acc_final, ctx)
         if targets is None:
-            return True, None
+            return None
         captured = [None if s is None else buf[s] for s in plan.target_slots]
         if accumulate:
             for t, tgt, g in zip(inputs, targets, captured):
                 if g is None or tgt is None or plan.infos[tgt[0]].is_acc:
                     continue
                 t.grad = g if t.grad is None else t.grad + g
-            return True, None
+            return None
         for g in captured:
             if g is None and not allow_unused:
                 raise RuntimeError(
                     "One of the differentiated Tensors appears to not have been used in "
                     "the graph. Set allow_unused=True if this is the desired behavior."
                 )
-        return True, tuple(captured)
+        return tuple(captured)
+
+
+def _step_region(region, plan, nodes, metas, buf, ctx, backend) -> None:
+    try:
+        entry, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, backend)
+    except engine._NodeTraceError as e:
+        if isinstance(e.exc, RuntimeError) and engine._SECOND_BACKWARD in str(e.exc):
+            raise e.exc from None  # this graph was freed by an earlier backward: eager raises too
+        # the node becomes a graph break (for later calls too); this call runs the region's nodes
+        # as the engine would, in grad mode
+        engine._break_region(e, region, plan, nodes, metas, buf, ctx, getattr(e, "when", "tracing"))
+        return
+    if entry is None:  # sparse tensors among the region's inputs
+        engine._sparse_break(region, plan, nodes, metas, buf, ctx)
+        return
+    if ctx.release:
+        release_nodes(nodes, region.nodes, plan.infos)
+    _saved.forget(nodes[i] for i in region.nodes)
+    _run_region(region, entry, T, I, buf, metas, plan)
+
+
+def _sinks(plan, nodes, buf, sinks, ctx) -> None:
+    nat = native.module()
+    for ai, s in sinks:
+        g = buf[s]
+        if plan.hooked.get(ai) is not None:  # the engine's AccumulateGrad call, its hooks included
+            nat.call_leaves([nodes[ai]], [g], not ctx.release)
+        elif g is not None:
+            _accumulate(nodes[ai].variable, g)
 
 
 def _run_region(region, entry, T, I, buf, metas, plan) -> None:
