@@ -17,8 +17,9 @@ step (forward, the create_graph grads, the loss's backward to the weights) timed
 * JAX (``jax.jit(jax.grad(loss))`` of the same force field) when ``jax`` is importable.
 
 Also: peak memory of the step (CPU: torch.profiler's allocations replayed, see
-:mod:`vjpgen.runtime.memory`), the share of eager's step that is the forward alone, and a
-torch.profiler breakdown of vjpgen's step (the top self-time ops) to show where a miss comes from.
+:mod:`vjpgen.runtime.memory`), and where each step's time goes (the create_graph ``grad`` calls,
+the ``backward``, and the rest: the forward and the loss, eager in both), which is also the share
+of eager's step that vjpgen leaves to eager.
 Results go to ``bench/results/higher_order.md`` (not with ``--smoke``).
 """
 
@@ -76,15 +77,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:150]}"
 
 
-def _forward_ms(name, params, step, args, reps):
-    """The forward alone (what the step computes before any grad), eager."""
-    if name == "forcefield":
-        energy = step.energy
-        pos = args[0]
-        return _median_ms(lambda: energy(pos.detach().requires_grad_()), reps)
-    return float("nan")
-
-
 def bench_workload(name, sizes, backend, reps, with_peers=True, profile=True):
     make = W.WORKLOADS[name]
     params, step, data = make(**sizes)
@@ -122,7 +114,7 @@ def bench_workload(name, sizes, backend, reps, with_peers=True, profile=True):
         tv.append(_median_ms(vjp, 1))
     row["eager_ms"] = statistics.median(te)
     row["vjpgen_ms"] = statistics.median(tv)
-    row["forward_ms"] = _forward_ms(name, params, step, args, reps)
+    row["forward_ms"] = float("nan")
     if with_peers:
         try:
             ca = _ca_ctx
@@ -149,15 +141,50 @@ def bench_workload(name, sizes, backend, reps, with_peers=True, profile=True):
     except Exception as e:  # the profiler is not available everywhere
         row["peak_error"] = _first_line(e)
     if profile:
-        from torch.profiler import ProfilerActivity
-        from torch.profiler import profile as prof_
-
-        with prof_(activities=[ProfilerActivity.CPU]) as p:
-            vjp()
-        tot = sum(e.self_cpu_time_total for e in p.key_averages())
-        top = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]
-        row["profile"] = [(e.key, e.self_cpu_time_total / max(tot, 1), e.count) for e in top]
+        row["phases_eager"] = phases(step, args, params, reps)
+        row["phases_vjpgen"] = phases(step, args, params, reps, lambda: rt.compiled_autograd(backend=backend))
+        row["forward_ms"] = row["phases_eager"]["rest"]
     return row
+
+
+def phases(step, args, params, reps, ctx=None) -> dict:
+    """Median ms per step spent in ``torch.autograd.grad`` calls, in ``backward`` calls, and in the
+    rest (the forward and the loss, eager in both), timed by wrapping the two entry points (inside
+    ``ctx``, so vjpgen's patched ones are the ones timed)."""
+    acc = {"grad": 0.0, "backward": 0.0}
+    res = {"grad": [], "backward": [], "rest": []}
+    for _ in range(reps):
+        cm = ctx() if ctx is not None else contextlib.nullcontext()
+        with cm:
+            g0, b0 = torch.autograd.grad, torch.Tensor.backward
+
+            def g(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return g0(*a, **k)
+                finally:
+                    acc["grad"] += time.perf_counter() - t
+
+            def b(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return b0(*a, **k)
+                finally:
+                    acc["backward"] += time.perf_counter() - t
+
+            torch.autograd.grad, torch.Tensor.backward = g, b
+            try:
+                acc["grad"] = acc["backward"] = 0.0
+                _zero(params)
+                t0 = time.perf_counter()
+                step(*args)
+                tot = time.perf_counter() - t0
+            finally:
+                torch.autograd.grad, torch.Tensor.backward = g0, b0
+        res["grad"].append(acc["grad"] * 1e3)
+        res["backward"].append(acc["backward"] * 1e3)
+        res["rest"].append((tot - acc["grad"] - acc["backward"]) * 1e3)
+    return {k: statistics.median(v) for k, v in res.items()}
 
 
 def jax_forcefield(sizes, reps):
@@ -226,11 +253,23 @@ def report(rows, jax_ms, backend, threads, reps) -> str:
             f"| {_mb(r.get('eager_peak'))} | {_mb(r.get('vjpgen_peak'))} | {orders} | {r['fallbacks']} | {r['breaks']} "
             f"| {r['max_diff']:.1e} |"
         )
-    lines += ["", "## Where vjpgen's step spends its time (torch.profiler, self CPU time, top ops)", ""]
+    lines += [
+        "",
+        "## Where the step's time goes",
+        "",
+        "Median ms per step in the `torch.autograd.grad` calls (the create_graph grads), in `backward` "
+        "(to the weights), and the rest (the forward and the loss: eager in both), timed by wrapping the "
+        "two entry points. The forward share column above is eager's *rest* over eager's step.",
+        "",
+        "| workload | eager: grad | backward | rest | vjpgen: grad | backward | rest |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        if "profile" not in r:
+        if "phases_eager" not in r:
             continue
-        lines.append(f"- **{r['name']}**: " + "; ".join(f"`{k}` {s:.0%} ({n} calls)" for k, s, n in r["profile"]))
+        e, v = r["phases_eager"], r["phases_vjpgen"]
+        lines.append(f"| {r['name']} | {e['grad']:.2f} | {e['backward']:.2f} | {e['rest']:.2f} | "
+                     f"{v['grad']:.2f} | {v['backward']:.2f} | {v['rest']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
