@@ -61,6 +61,7 @@ bench: $(STAMP) bench-generate
 	$(PY) bench/bench_backward.py
 	$(PY) bench/bench_ddp.py
 	$(PY) bench/bench_ca_kernels.py
+	$(PY) bench/bench_higher_order.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
