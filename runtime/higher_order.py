@@ -101,6 +101,7 @@ class DiffGraph:
 
     __slots__ = (
         "pyfn", "fn", "gm", "fakes", "out_fakes", "n_tensors", "order", "backend", "label", "vjps", "family",
+        "deps", "nondiff",
     )
 
     def __init__(self, pyfn, fn, gm, fakes, out_fakes, n_tensors, order, backend, label, family):
@@ -115,6 +116,8 @@ class DiffGraph:
         self.label = label
         self.vjps: dict = {}  # requires-grad mask -> [(exact-size key or None, DiffGraph | _EAGER)]
         self.family = family
+        self.deps = _deps(gm, n_tensors)  # per output: the tensor inputs it depends on
+        self.nondiff: dict = {}  # requires-grad mask -> outputs that depend on no input requiring grad
 
     def call(self, tensors: list, ints: list, all_ints: list) -> tuple:
         """The outputs; with grad mode on and an input that requires grad, through :class:`_DiffFn`.
@@ -188,6 +191,27 @@ class DiffGraph:
         return fargs, _trace_in_mode(pyfn, fargs, mode)
 
 
+def _deps(gm, n_tensors: int) -> list:
+    """Per output of a traced graph: the positions of the tensor inputs it depends on (read before
+    a backend rewrites the graph)."""
+    dep = {}
+    k = 0
+    empty = frozenset()
+    out_args = ()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            dep[n] = frozenset((k,)) if k < n_tensors else empty
+            k += 1
+        elif n.op == "output":
+            out_args = n.args[0]
+        else:
+            d = empty
+            for a in n.all_input_nodes:
+                d = d | dep.get(a, empty)
+            dep[n] = d
+    return [dep.get(a, empty) if isinstance(a, torch.fx.Node) else empty for a in out_args]
+
+
 def _exact_key(tensors, ints) -> tuple:
     return tuple(tuple(t.shape) for t in tensors), tuple(int(i) for i in ints)
 
@@ -235,12 +259,20 @@ class _DiffFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dg, ints, all_ints, *tensors):
         _count("compiled_calls", dg.order)
-        outs = dg.fn([*tensors, *ints])
+        outs = tuple(dg.fn([*tensors, *ints]))
         ctx.dg = dg
         ctx.ints = ints
         ctx.all_ints = all_ints
         ctx.save_for_backward(*tensors)
-        return tuple(outs)
+        # as in eager, a grad that depends on no input requiring grad does not require grad
+        mask = tuple(ctx.needs_input_grad[3:])
+        nd = dg.nondiff.get(mask)
+        if nd is None:
+            req = frozenset(i for i, m in enumerate(mask) if m)
+            nd = dg.nondiff[mask] = tuple(j for j, d in enumerate(dg.deps) if not (d & req))
+        if nd:
+            ctx.mark_non_differentiable(*[outs[j] for j in nd])
+        return outs
 
     @staticmethod
     def backward(ctx, *cts):
