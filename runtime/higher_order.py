@@ -101,10 +101,10 @@ class DiffGraph:
 
     __slots__ = (
         "pyfn", "fn", "gm", "fakes", "out_fakes", "n_tensors", "order", "backend", "label", "vjps", "family",
-        "deps", "nondiff",
+        "deps", "nondiff", "root",
     )
 
-    def __init__(self, pyfn, fn, gm, fakes, out_fakes, n_tensors, order, backend, label, family):
+    def __init__(self, pyfn, fn, gm, fakes, out_fakes, n_tensors, order, backend, label, family, root=None):
         self.pyfn = pyfn
         self.fn = fn  # boxed compiled callable
         self.gm = gm
@@ -116,6 +116,9 @@ class DiffGraph:
         self.label = label
         self.vjps: dict = {}  # requires-grad mask -> [(exact-size key or None, DiffGraph | _EAGER)]
         self.family = family
+        # a dynamic trace: (fake tensors, ints of the order-1 region it derives from, number of
+        # tensors); the guards of its ShapeEnv are checked over that region's T + I
+        self.root = root
         self.deps = _deps(gm, n_tensors)  # per output: the tensor inputs it depends on
         self.nondiff: dict = {}  # requires-grad mask -> outputs that depend on no input requiring grad
 
@@ -129,22 +132,17 @@ class DiffGraph:
 
     # -- the vjp
 
-    def vjp_for(self, mask: tuple, tensors, ints):
+    def vjp_for(self, mask: tuple, tensors, ints, all_ints):
         """The DiffGraph of this graph's vjp for the inputs in ``mask`` (or _EAGER)."""
         entries = self.vjps.setdefault(mask, [])
-        exact = None
-        for key, dg in entries:
-            if key is None:
+        for guard, dg in entries:
+            if guard is None or guard(tensors, ints, all_ints):
                 return dg
-            if exact is None:
-                exact = _exact_key(tensors, ints)
-            if key == exact:
-                return dg
-        dg, key = self._trace_vjp(mask, tensors, ints)
-        entries.append((key, dg))
+        dg, guard = self._trace_vjp(mask, tensors, ints, all_ints)
+        entries.append((guard, dg))
         return dg
 
-    def _trace_vjp(self, mask, tensors, ints):
+    def _trace_vjp(self, mask, tensors, ints, all_ints):
         n = self.n_tensors
         k = len(self.fakes) - n
         pyfn = _vjp_pyfn(self.pyfn, n, k, mask)
@@ -152,7 +150,6 @@ class DiffGraph:
         label = f"{self.label}, order {order}"
         fake_mode = torch._guards.detect_fake_mode(self.fakes[:n])
         shape_env = getattr(fake_mode, "shape_env", None)
-        n_guards = len(shape_env.guards) if shape_env is not None else 0
         try:
             with fake_mode:
                 cts = [torch.empty(o.shape, dtype=o.dtype, device=o.device) for o in self.out_fakes]
@@ -163,13 +160,31 @@ class DiffGraph:
             log.debug("vjpgen: %s: %s; eager torch.func.vjp", label, reason)
             record_fallback(order, reason)
             return _EAGER, None
-        specialized = shape_env is not None and len(shape_env.guards) != n_guards
-        if specialized:  # the vjp trace narrowed the sizes: keep it for exactly these sizes
+        guard = None
+        root = self.root
+        if root is not None:  # dynamic: valid where the ShapeEnv's guards (the vjp's too) hold
+            rfakes, rivals, nT = root
+            try:
+                gfn, _ = make_guard(shape_env, rfakes, rivals)
+            except Exception:
+                gfn = None
+
+            def guard(tensors, ints, all_ints, gfn=gfn, nT=nT):
+                try:
+                    return gfn is not None and bool(gfn([*tensors[:nT], *all_ints]))
+                except Exception:  # a guard that cannot evaluate does not match
+                    return False
+
+        if guard is not None and not guard(tensors, ints, all_ints):
+            # the trace specialized sizes these inputs do not have: trace for exactly these sizes
             try:
                 fargs, gm = self._static_trace(pyfn, tensors, ints)
             except Exception as e:
                 record_fallback(order, f"{type(e).__name__} while tracing the vjp statically")
                 return _EAGER, None
+            root = None
+            key = _exact_key(tensors, ints)
+            guard = lambda tensors, ints, all_ints, key=key: _exact_key(tensors, ints) == key  # noqa: E731
         out_fakes = _out_fakes(gm)
         t0 = time.perf_counter()
         fn = capture.compile_graph(gm, fargs, self.backend)
@@ -178,8 +193,8 @@ class DiffGraph:
         STATS.compiles += 1
         ntens = n + len(self.out_fakes)
         fam = self.family.vjp_family(mask, len(self.out_fakes))
-        dg = DiffGraph(pyfn, fn, gm, fargs, out_fakes, ntens, order, self.backend, label, fam)
-        return dg, (_exact_key(tensors, ints) if specialized else None)
+        dg = DiffGraph(pyfn, fn, gm, fargs, out_fakes, ntens, order, self.backend, label, fam, root)
+        return dg, guard
 
     def _static_trace(self, pyfn, tensors, ints):
         """A trace of ``pyfn`` with every size static, from the real tensors."""
@@ -281,7 +296,7 @@ class _DiffFn(torch.autograd.Function):
         tensors = list(ctx.saved_tensors)
         mask = tuple(ctx.needs_input_grad[3:])
         cts = [c.contiguous() for c in cts]  # the vjp graph was traced with contiguous cotangents
-        vjp = dg.vjp_for(mask, tensors, ints)
+        vjp = dg.vjp_for(mask, tensors, ints, ctx.all_ints)
         if vjp is _EAGER:
             record_fallback(dg.order + 1, "vjp computed eagerly (torch.func.vjp of the kernels)")
             fam = dg.family
@@ -390,7 +405,9 @@ def _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family):
         guard, guard_src = make_guard(shape_env, fakes, ivals)
     fn = capture.compile_graph(gm, fargs, backend)
     e = _Entry(fn, list(present), gm, len(T), dyn_ints, guard, guard_src, None, None)
-    e.dg = DiffGraph(pyfn, fn, gm, fargs, out_fakes, len(T), order, backend, f"{region.label} (create_graph)", family)
+    root = (list(fakes), list(ivals), len(T)) if (dd or di) else None
+    e.dg = DiffGraph(pyfn, fn, gm, fargs, out_fakes, len(T), order, backend, f"{region.label} (create_graph)", family,
+                     root)
     return e
 
 

@@ -204,3 +204,26 @@ def test_dynamic_sizes_recompile_at_most_once_per_order():
     _no_fallbacks(st)
     assert st["higher_order"]["compiles"][1] <= 2, st["recompile_reasons"]
     assert st["compiles"] - st["higher_order"]["compiles"][1] <= 2, st["recompile_reasons"]
+
+
+def test_dynamic_sizes_through_the_compiled_vjp():
+    """Order 2 through torch's engine (the autograd.Function's compiled vjp) over atom counts:
+    eager's values, at most two compiles per order (static, then dynamic, guarded by the shapes'
+    guards including those the vjp's trace added)."""
+    from vjpgen.runtime import demo_higher_order as W
+
+    params, step, data = W.make_forcefield(rbf=4, hidden=8)
+    energy = step.energy
+    for k, n in enumerate((6, 8, 10, 12, 5)):
+        pos, _, f_ref = data(k, n)
+        p = pos.clone().requires_grad_()
+        (g,) = rt.grad(energy(p), p, create_graph=True, backend=BK)
+        got = torch.autograd.grad(((g - f_ref) ** 2).mean(), params, allow_unused=True)
+        p2 = pos.clone().requires_grad_()
+        (g2,) = torch.autograd.grad(energy(p2), p2, create_graph=True)
+        ref = torch.autograd.grad(((g2 - f_ref) ** 2).mean(), params, allow_unused=True)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b)
+    h = rt.stats()["higher_order"]
+    assert h["compiles"][1] <= 2 and h["compiles"][2] <= 2, h
+    assert not h["eager_fallbacks"], h["fallback_reasons"]
