@@ -255,12 +255,13 @@ def report(rows, jax_ms, backend, threads, reps) -> str:
     for r in rows:
         ca = f"{r['ca_ms']:.2f} ms ({r['ca_ms'] / r['eager_ms']:.2f}x)" if "ca_ms" in r else r.get("ca_error", "-")
         jx = f"{jax_ms:.2f} ms ({jax_ms / r['eager_ms']:.2f}x)" if (r["name"] == "forcefield" and jax_ms) else (
-            "jax not installed" if r["name"] == "forcefield" else "-")
+            "not measured (jax not importable, or --smoke)" if r["name"] == "forcefield" else "-")
         fs = r["forward_ms"] / r["eager_ms"]
         sizes = ", ".join(f"{k}={v}" for k, v in r["sizes"].items())
         orders = ", ".join(f"{o}: {n}" for o, n in r["orders"].items())
         lines.append(
-            f"| {r['name']} | {sizes} | {r['eager_ms']:.2f} | {r['vjpgen_ms']:.2f} | {r['vjpgen_ms'] / r['eager_ms']:.2f}x "
+            f"| {r['name']} | {sizes} | {r['eager_ms']:.2f} | {r['vjpgen_ms']:.2f} "
+            f"| {r['vjpgen_ms'] / r['eager_ms']:.2f}x "
             f"| {ca} | {r.get('torch_compile', '-')} | {jx} | {'-' if math.isnan(fs) else f'{fs:.0%}'} "
             f"| {_mb(r.get('eager_peak'))} | {_mb(r.get('vjpgen_peak'))} | {orders} | {r['fallbacks']} | {r['breaks']} "
             f"| {r['max_diff']:.1e} |"
