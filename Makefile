@@ -64,7 +64,7 @@ demo-ddp: $(STAMP) generate
 	$(PY) -m vjpgen.runtime.demo_ddp
 
 coverage: $(STAMP)
-	$(PY) -m tests.conformance --out coverage --compiled-autograd --edges --edge-max-samples 2
+	$(PY) -m tests.conformance --out coverage --compiled-autograd --edges --edge-max-samples 2 --higher-order
 
 bench-generate: $(STAMP)
 	$(PY) bench/bench_generate.py
@@ -74,6 +74,7 @@ bench: $(STAMP) bench-generate
 	$(PY) bench/bench_backward.py
 	$(PY) bench/bench_ddp.py
 	$(PY) bench/bench_ca_kernels.py
+	$(PY) bench/bench_higher_order.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -6,11 +6,10 @@ import contextlib
 import gc
 import logging
 import threading
-import warnings
 
 import torch
 
-from . import capture, decide, engine, graph_task, hooks, kernels, leaves, native, walk
+from . import capture, decide, engine, graph_task, higher_order, hooks, kernels, leaves, native, walk
 from . import plan as plan_mod
 from . import saved as _saved
 from .sparse import leaf_node
@@ -32,11 +31,10 @@ def _opaque(fn):
     return torch._dynamo.disable(fn, reason="vjpgen's backward runs outside the compiled frame")
 
 
-_warned_create_graph = False
-
 # the functions torch had before compiled_autograd() patched anything
 _orig_autograd_backward = torch.autograd.backward
 _orig_tensor_backward = torch.Tensor.backward
+_orig_autograd_grad = torch.autograd.grad
 
 
 def call_functional(node, grads) -> tuple:
@@ -102,7 +100,7 @@ def _make_grads(outputs, grad_outputs) -> tuple:
     return torch.autograd._make_grads(outputs, grad_outputs, is_grads_batched=False)
 
 
-def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused):
+def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False):
     """Common path of backward() and grad(); returns captured grads (grad mode) or None.
 
     Python's cyclic GC is paused for the call (and resumed while a region compiles): the walk
@@ -110,24 +108,26 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     triggers made the per-node cost grow with the graph."""
     if not gc.isenabled():
         with _saved.per_call():  # each node's saved values are read once (saved-tensor hooks)
-            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
+            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
+                             create_graph)
     gc.disable()
     engine.GC_PAUSED = True
     try:
         with _saved.per_call():
-            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused)
+            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
+                             create_graph)
     finally:
         engine.GC_PAUSED = False
         gc.enable()
 
 
-def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused):
+def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False):
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     STATS.backward_calls += 1
     reason = decide.call_fallback((*outputs, *(inputs or ())))
     if reason is not None:
-        return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, reason)
+        return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, reason, create_graph)
     grads = _make_grads(outputs, grad_outputs)
     root_edges = [_gradient_edge(t, "tensors", i) for i, t in enumerate(outputs)]
 
@@ -150,7 +150,8 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         # C++ hooks (DDP's reducer on AccumulateGrad) are invisible without the native helper:
         # never compile blindly past them
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused,
-                      "torch.distributed is initialized and the native helper (which sees C++ hooks) is not built")
+                      "torch.distributed is initialized and the native helper (which sees C++ hooks) is not built",
+                      create_graph)
     # which Python-tracked hooks the walk must look for: only without the native helper, which
     # reads every node's hooks from C++ during its walk
     check_t = not native_hooks and hooks.any_tensor_hooks()
@@ -175,6 +176,8 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     hooked_sig = tuple(sorted((i, h.describe()) for i, h in hooked.items())) if hooked else ()
     skey = (key, root_idx, targets, accumulate, hooked_sig, backend, kernels.token(),
             tuple(saved_groups.items()) if saved_groups else None)
+    if create_graph:  # its own plan: the regions' caches hold differentiable graphs
+        skey = (*skey, "create_graph")
     plan = _PLANS.get(skey)
     if plan is None:
         with capture.LOCK:  # threads: one plan per structure (another thread may have just built it)
@@ -186,7 +189,15 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     else:
         plan.hooked = hooked or {}
     if plan.eager_reason is not None:
-        return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason)
+        return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason,
+                      create_graph)
+    if create_graph:
+        done, res = higher_order.run(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
+                                     allow_unused)
+        if not done:
+            higher_order.record_fallback(1, res)
+            return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, res, True)
+        return res
 
     if plan.n_breaks or not plan.ran or not native_hooks or saved_groups:
         # (the first call of a plan too: a node found untraceable then runs live in this call;
@@ -282,21 +293,10 @@ def _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused
             outputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
         )
         return None
-    return torch.autograd.grad(
+    return _orig_autograd_grad(
         outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
         allow_unused=allow_unused,
     )
-
-
-def _warn_create_graph() -> None:
-    global _warned_create_graph
-    if not _warned_create_graph:
-        _warned_create_graph = True
-        warnings.warn(
-            "vjpgen: create_graph=True is not supported by the compiled backward; "
-            "falling back to torch.autograd (warned once)",
-            stacklevel=3,
-        )
 
 
 @_opaque
@@ -322,9 +322,8 @@ def backward(
             raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
     if retain_graph is None:
         retain_graph = create_graph
-    if create_graph:
-        _warn_create_graph()
-        _eager(outputs, grad_tensors, inputs, retain_graph, True, None, "create_graph=True", True)
+    if create_graph:  # compiled as differentiable graphs: runtime/higher_order.py
+        _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None, True)
         return None
     _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None)
     return None
@@ -357,10 +356,12 @@ def grad(
         allow_unused = False
     if retain_graph is None:
         retain_graph = create_graph
-    if create_graph:
-        _warn_create_graph()
-        return _eager(outs, grad_outputs, ins, retain_graph, False, allow_unused, "create_graph=True", True)
+    if create_graph:  # compiled as differentiable graphs: runtime/higher_order.py
+        return _run(outs, grad_outputs, ins, retain_graph, backend, False, allow_unused, True)
     return _run(outs, grad_outputs, ins, retain_graph, backend, False, allow_unused)
+
+
+_grad_body = grad.__wrapped__
 
 
 # ------------------------------------------------------------------------------------------
@@ -417,10 +418,45 @@ def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_grap
     )
 
 
+def _foreign_grad(outputs, inputs) -> bool:
+    """A torch.autograd.grad call that is not vjpgen's to run: inside a torch.func transform, or
+    over tensor subclasses (fake tensors of a trace included)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    for t in (*_tensors(outputs), *_tensors(inputs)):
+        if isinstance(t, torch.Tensor) and (
+            type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
+            or torch._C._functorch.is_functorch_wrapped_tensor(t)
+        ):
+            return True
+    return False
+
+
+@_opaque
+def _patched_autograd_grad(
+    outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+    allow_unused=None, is_grads_batched=False, materialize_grads=False,
+):
+    st = _stack()
+    if not st or is_grads_batched or materialize_grads or _foreign_grad(outputs, inputs):
+        # batched grads, materialize_grads, tensor subclasses and torch.func transforms (whose
+        # vjp calls torch.autograd.grad on its wrapped tensors) stay with torch.autograd
+        return _orig_autograd_grad(
+            outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
+            only_inputs=only_inputs, allow_unused=allow_unused, is_grads_batched=is_grads_batched,
+            materialize_grads=materialize_grads,
+        )
+    return _grad_body(
+        outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
+        allow_unused=allow_unused, backend=st[-1],
+    )
+
+
 @contextlib.contextmanager
 def compiled_autograd(backend="inductor"):
-    """Within the block, ``Tensor.backward`` and ``torch.autograd.backward`` run through vjpgen (on
-    this thread; other threads keep their own setting)."""
+    """Within the block, ``Tensor.backward``, ``torch.autograd.backward`` and
+    ``torch.autograd.grad`` run through vjpgen (on this thread; other threads keep their own
+    setting)."""
     global _patch_users
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
@@ -431,6 +467,7 @@ def compiled_autograd(backend="inductor"):
         if _patch_users == 1:
             torch.autograd.backward = _patched_autograd_backward
             torch.Tensor.backward = _patched_tensor_backward
+            torch.autograd.grad = _patched_autograd_grad
     try:
         yield
     finally:
@@ -440,3 +477,4 @@ def compiled_autograd(backend="inductor"):
             if _patch_users == 0:
                 torch.autograd.backward = _orig_autograd_backward
                 torch.Tensor.backward = _orig_tensor_backward
+                torch.autograd.grad = _orig_autograd_grad

@@ -160,7 +160,10 @@ def module_for(node_cls) -> FunctionModule | None:
     if mod is None and node_cls not in _MODULES:
         fn_cls = getattr(node_cls, "_forward_cls", None)
         backward = getattr(fn_cls, "backward", None) if fn_cls is not None else None
-        if backward is None or backward is torch.autograd.Function.backward:
+        own = getattr(fn_cls, "vjpgen_module", None)  # a Function that brings its own module
+        if own is not None:
+            mod = own
+        elif backward is None or backward is torch.autograd.Function.backward:
             mod = None
         elif (getattr(fn_cls, "__module__", "") or "").startswith("torch."):
             # torch's own Functions (AOTAutograd's compiled backward, DDP's and FSDP's, checkpoint)

@@ -14,6 +14,9 @@ few steps with torch's own compiled autograd (``torch._dynamo.compiled_autograd`
 backward compiled by ``torch.compile``) with ``vjpgen.runtime.set_compiled_autograd_kernels(True)``:
 grads compared with eager's, and the MLP's captured backward printed as the aten graph the backend
 compiles, each op tagged with the node class it came from.
+
+Last (``--no-higher-order`` skips it), :mod:`vjpgen.runtime.demo_higher_order`: a force field, a
+WGAN-GP critic step and a PINN, whose ``create_graph=True`` backwards vjpgen compiles to every order.
 """
 
 from __future__ import annotations
@@ -326,6 +329,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ca-backend", default="aot_eager", choices=["aot_eager", "inductor", "eager", "none"],
                     help="backend of torch.compile for the compiled-autograd part (none: skip it)")
     ap.add_argument("--ca-steps", type=int, default=3)
+    ap.add_argument("--no-higher-order", action="store_true",
+                    help="skip the create_graph workloads (vjpgen.runtime.demo_higher_order)")
     a = ap.parse_args(argv)
     print(f"vjpgen demo: torch {torch.__version__}, device {a.device}, backend {a.backend}, "
           f"{a.warmup} warm-up + {a.steps} timed steps per model (grads checked on every step)")
@@ -356,6 +361,10 @@ def main(argv=None) -> int:
                 print(f"\n  the MLP's captured backward, {what} (node class | call):")
                 print(format_tagged_graph(gm))
                 print()
+    if not a.no_higher_order:
+        from . import demo_higher_order
+
+        ok = demo_higher_order.main(["--backend", a.backend]) == 0 and ok
     print("\nall gradients match eager" if ok else "\nSOME GRADIENTS DO NOT MATCH")
     return 0 if ok else 1
 

@@ -49,12 +49,24 @@ class _Stats:
         self.eager_fallbacks = 0  # whole backward handed to torch.autograd (create_graph, ...)
         self.eager_fallback_reasons: Counter = Counter()
         self.plans = 0  # distinct graph structures seen
+        # create_graph=True (runtime/higher_order.py), per order (1: the create_graph backward
+        # itself, 2: the backward through its outputs, ...)
+        self.higher_order = {
+            "compiled_calls": Counter(),  # order -> calls served by a compiled graph
+            "compiles": Counter(),  # order -> graphs traced and compiled
+            # order -> vjps of create_graph graphs traced into a later backward's region
+            "traced_vjps": Counter(),
+            "eager_fallbacks": Counter(),  # order -> calls computed eagerly (counted, eager's values)
+            "fallback_reasons": Counter(),  # "order N: reason" -> count
+        }
 
     def snapshot(self) -> dict:
         d = {k: copy.copy(v) for k, v in vars(self).items()}
         for k, v in d.items():
             if isinstance(v, Counter):
                 d[k] = dict(v)
+            elif isinstance(v, dict):
+                d[k] = {kk: dict(vv) if isinstance(vv, Counter) else vv for kk, vv in v.items()}
         return d
 
 

@@ -192,6 +192,221 @@ def ca_report_lines(results, kernel_stats, seconds: float, max_samples: int) -> 
     return lines
 
 
+# --------------------------------------------------------------------------------------------
+# higher order: vjpgen's create_graph backward differentiated again, against eager's double backward
+
+# vjpgen ran part of the graph live (a graph break) or handed an order to eager: eager's values by
+# construction there, so listed apart from passes
+FALLBACK = "break or fallback"
+
+
+def _close(a, b, what: str):
+    """None and zeros are the same gradient (eager leaves an unused input's grad undefined where
+    a traced vjp returns zeros); returns a reason or None."""
+    if a is None and b is None:
+        return None
+    if a is None:
+        a = torch.zeros_like(b)
+    if b is None:
+        b = torch.zeros_like(a)
+    try:
+        torch.testing.assert_close(a, b, equal_nan=True)
+    except AssertionError as e:
+        return f"{what}: " + " ".join(str(e).split())[:300]
+    return None
+
+
+def _next_order(gs_e, gs_v, wrt_e, wrt_v, gen, vjpgen_grad):
+    """One more order: cotangents for the grads ``gs_*`` (eager's / vjpgen's), their vjp with
+    respect to ``wrt_*``. Eager differentiates only its grads that require grad (a grad that does
+    not is constant: its contribution is zero); vjpgen differentiates every grad it returned that
+    requires grad, so a nonzero contribution where eager's is constant shows as a mismatch."""
+    cts = [None if g is None else torch.randn(g.shape, dtype=g.dtype, generator=gen) for g in gs_e]
+    ke = [j for j, g in enumerate(gs_e) if g is not None and g.requires_grad]
+    kv = [j for j, g in enumerate(gs_v) if g is not None and g.requires_grad and cts[j] is not None]
+    if not ke:
+        return None, None, "no grad of eager's depends on the inputs at this order (its derivative is 0)"
+    create = vjpgen_grad is not None and vjpgen_grad[1]
+    try:
+        e = torch.autograd.grad([gs_e[j] for j in ke], wrt_e, [cts[j] for j in ke], allow_unused=True,
+                                create_graph=create)
+    except Exception as ex:
+        return None, None, f"eager's own backward raised {_short(ex)}"
+    gradf = vjpgen_grad[0] if vjpgen_grad is not None else torch.autograd.grad
+    if not kv:
+        v = [None] * len(wrt_v)
+    else:
+        v = gradf([gs_v[j] for j in kv], wrt_v, [cts[j] for j in kv], allow_unused=True, create_graph=create)
+    return e, v, None
+
+
+def check_higher_order(outs_e, outs_v, leaves_e, leaves_v, gen, third: bool, backend="eager"):
+    """(status, reason, orders checked) of one sample: order 1 ``vjpgen.runtime.grad(...,
+    create_graph=True)`` with cotangents that require grad; order 2 vjpgen's grad of that result
+    (its regions trace the vjp of the first call's compiled graphs, create_graph when ``third``);
+    order 3 (``third``) torch.autograd.grad through vjpgen's order-2 result (the compiled vjp of
+    vjpgen's create_graph graphs). Each against eager's own derivative of the same order."""
+    import vjpgen.runtime as rt
+
+    gos = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs_e]
+    gos_e = [g.clone().requires_grad_() for g in gos]
+    gos_v = [g.clone().requires_grad_() for g in gos]
+    try:
+        g1_e = torch.autograd.grad(outs_e, leaves_e, gos_e, create_graph=True, allow_unused=True)
+    except Exception as ex:
+        return UNSUPPORTED, f"eager's create_graph backward raised {_short(ex)}", 0
+    rt.reset_stats()
+    try:
+        g1_v = rt.grad(outs_v, leaves_v, gos_v, create_graph=True, allow_unused=True, backend=backend)
+    except Exception as ex:
+        return RAISED, f"order 1: {_short(ex)}", 0
+    for j, (a, b) in enumerate(zip(g1_v, g1_e)):
+        r = _close(a, b, f"order 1, leaf {j}")
+        if r:
+            return MISMATCHED, r, 1
+    wrt_e, wrt_v = [*leaves_e, *gos_e], [*leaves_v, *gos_v]
+    vjp2 = (lambda *a, **k: rt.grad(*a, backend=backend, **k), third)
+    try:
+        g2_e, g2_v, why = _next_order(g1_e, g1_v, wrt_e, wrt_v, gen, vjp2)
+    except Exception as ex:
+        return RAISED, f"order 2: {_short(ex)}", 1
+    if why:
+        return (UNSUPPORTED if "raised" in why else PASSED), f"order 2: {why}", 1
+    for j, (a, b) in enumerate(zip(g2_v, g2_e)):
+        r = _close(a, b, f"order 2, input {j}")
+        if r:
+            return MISMATCHED, r, 2
+    orders = 2
+    if third:
+        try:
+            g3_e, g3_v, why = _next_order(g2_e, g2_v, leaves_e, leaves_v, gen, None)
+        except Exception as ex:
+            return RAISED, f"order 3: {_short(ex)}", 2
+        if why and "raised" in why:
+            return UNSUPPORTED, f"order 3: {why}", 2
+        if not why:
+            for j, (a, b) in enumerate(zip(g3_v, g3_e)):
+                r = _close(a, b, f"order 3, leaf {j}")
+                if r:
+                    return MISMATCHED, r, 3
+            orders = 3
+    st = rt.stats()
+    h = st["higher_order"]
+    if st["eager_fallbacks"] or h["eager_fallbacks"] or st["graph_breaks"]:
+        reasons = [*st["eager_fallback_reasons"], *h["fallback_reasons"], *st["graph_break_reasons"]]
+        return FALLBACK, "; ".join(reasons)[:300], orders
+    return PASSED, "", orders
+
+
+def _ho_sample(op, s):
+    """(outputs, leaves) of one run of the sample's forward, or None."""
+    leaves = [t for t in _flatten([s.input, list(s.args), s.kwargs])
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.layout == torch.strided]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = op(s.input, *s.args, **s.kwargs)
+    outs = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+            and t.layout == torch.strided and (t.dtype.is_floating_point or t.dtype.is_complex)]
+    return outs, leaves
+
+
+def run_higher_order(op_names=None, dtypes=("float64",), max_samples=1, third_order_ops=(), log=None,
+                     backend="eager"):
+    """The higher-order mode: {node class: ClassResult} over the samples' graphs (every class of a
+    graph gets the graph's status), and {"orders": Counter of the highest order checked}.
+    ``third_order_ops``: OpInfo names also checked at order 3 (None: all)."""
+    import vjpgen.runtime as rt
+
+    results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
+    orders = collections.Counter()
+    for op, label in autograd_ops(op_names):
+        third = third_order_ops is None or label in third_order_ops or op.name in third_order_ops
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            if dtype not in op.supported_dtypes("cpu"):
+                continue
+            try:
+                samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))[:max_samples]
+            except Exception:
+                continue
+            for s in samples:
+                torch.manual_seed(0)
+                try:
+                    outs_e, leaves = _ho_sample(op, s)
+                    torch.manual_seed(0)
+                    outs_v, _ = _ho_sample(op, s)
+                except Exception:
+                    continue
+                if not outs_e or not leaves:
+                    continue
+                names = {type(n).__name__ for n in walk([o.grad_fn for o in outs_e])} - {"AccumulateGrad"}
+                gen = torch.Generator().manual_seed(0)
+                if names & set(INTENDED_DIFFERENCES):
+                    status, reason, k = OVERRIDDEN, "the graph holds " + ", ".join(
+                        sorted(names & set(INTENDED_DIFFERENCES))), 0
+                else:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        status, reason, k = check_higher_order(outs_e, outs_v, leaves, leaves, gen, third, backend)
+                    rt.clear_cache()
+                orders[k] += 1
+                for name in names:
+                    r = results[name]
+                    r.tried += 1
+                    r.ops.add(label)
+                    r.counts[status] += 1
+                    if reason:
+                        r.reasons[f"{status}: {reason}"] += 1
+                if log and status in (MISMATCHED, RAISED, FALLBACK):
+                    log(f"{status:10} {label} {dname}: {reason}")
+    return dict(results), {"orders": orders}
+
+
+def ho_report_lines(results, info, seconds: float, max_samples: int, third: str) -> list[str]:
+    """The REPORT.md section of the higher-order mode."""
+    tot = collections.Counter()
+    for r in results.values():
+        tot.update(r.counts)
+    o = info["orders"]
+    lines = [
+        "",
+        "## Higher order: vjpgen's create_graph backward, differentiated again, vs eager",
+        "",
+        f"`make coverage` (`--higher-order`, {seconds:.0f} s): the first {max_samples} float64 CPU sample(s) of "
+        "every OpInfo that supports autograd. Order 1: `vjpgen.runtime.grad(outputs, leaves, cotangents, "
+        "create_graph=True)` with cotangents that require grad; order 2: vjpgen's grad of that result with "
+        "respect to the leaves and the cotangents (random cotangents; its regions trace the vjp of the first "
+        "call's compiled graphs); order 3 "
+        f"({third}): `torch.autograd.grad` through vjpgen's order-2 result (the compiled vjp of vjpgen's "
+        "create_graph graphs). Each compared with eager's derivative of the same order "
+        "(`torch.testing.assert_close`; an undefined grad equals zeros). A class gets the result of every "
+        "graph it is in.",
+        "",
+        "| node classes reached | graphs x classes | passed | mismatched | raised | eager's own backward raised "
+        "(no oracle) | graph break or eager fallback in vjpgen | overridden | graphs checked to order 3 | to order 2 | order 1 only |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {len(results)} | {sum(tot.values())} | {tot[PASSED]} | {tot[MISMATCHED]} | {tot[RAISED]} | "
+        f"{tot[UNSUPPORTED]} | {tot[FALLBACK]} | {tot[OVERRIDDEN]} | {o[3]} | {o[2]} | {o[1]} |",
+        "",
+        "A pass at order 2 where eager's grads are all constant (no grad of eager's depends on the inputs) "
+        "is listed as passed with that reason. Classes with another result than passed:",
+        "",
+        "| node class | graphs | passed | mismatched | raised | no oracle | break or fallback | top reason |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in sorted(results.items()):
+        c = r.counts
+        if c[PASSED] == r.tried:
+            continue
+        reason = next((k for k, _ in r.reasons.most_common() if not k.startswith(PASSED)), "")
+        reason = reason.replace("|", "\\|")
+        lines.append(
+            f"| {name} | {r.tried} | {c[PASSED]} | {c[MISMATCHED]} | {c[RAISED]} | {c[UNSUPPORTED]} | "
+            f"{c[FALLBACK]} | {reason[:200]} |"
+        )
+    return lines
+
+
 def _verified(r: ClassResult) -> bool:
     return bool(r.counts[PASSED]) and not r.counts[MISMATCHED] and not r.counts[RAISED]
 
@@ -362,6 +577,11 @@ def main(argv=None) -> int:
     p.add_argument("--compiled-autograd", action="store_true",
                    help="also run the compiled-autograd mode (torch's kernels vs vjpgen's)")
     p.add_argument("--ca-max-samples", type=int, default=2)
+    p.add_argument("--higher-order", action="store_true",
+                   help="also run the higher-order mode (create_graph backward differentiated again vs eager)")
+    p.add_argument("--ho-max-samples", type=int, default=1)
+    p.add_argument("--ho-third-order-ops", nargs="*", default=None,
+                   help="OpInfos also checked at order 3 (default: all)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     t0 = time.time()
@@ -389,6 +609,18 @@ def main(argv=None) -> int:
         }}
         bad = sum(r.counts[MISMATCHED] + r.counts[RAISED] for r in ca_results.values())
         print(json.dumps({"compiled_autograd_classes": len(ca_results), "mismatched_or_raised": bad}))
+    if a.higher_order:
+        t1 = time.time()
+        ho_results, ho_info = run_higher_order(a.ops, ("float64",), a.ho_max_samples, a.ho_third_order_ops, log)
+        third = "every op" if a.ho_third_order_ops is None else "ops " + ", ".join(a.ho_third_order_ops)
+        extra = (extra or []) + ho_report_lines(ho_results, ho_info, time.time() - t1, a.ho_max_samples, third)
+        extra_json = {**(extra_json or {}), "higher_order": {
+            "classes": {n: {k: r.counts[k] for k in (PASSED, MISMATCHED, RAISED, UNSUPPORTED, FALLBACK, OVERRIDDEN)}
+                        for n, r in sorted(ho_results.items())},
+            "orders": dict(ho_info["orders"]),
+        }}
+        bad = sum(r.counts[MISMATCHED] + r.counts[RAISED] for r in ho_results.values())
+        print(json.dumps({"higher_order_classes": len(ho_results), "mismatched_or_raised": bad}))
     summary = write_report(results, errs, a.out, seconds, edge, extra, extra_json)
     if edge is not None:
         summary = {"base": summary, "edge": summarize(edge["results"])}

@@ -126,3 +126,56 @@ def test_edge_values_no_unexpected_errors(edge_results):
     ]
     assert not bad, "\n".join(bad)
     assert summarize(edge_results)["node_checks"] > 1000
+
+
+# --------------------------------------------------------------------------------------------
+# the higher-order mode (``make coverage`` runs it over every OpInfo): vjpgen's create_graph
+# backward differentiated again (and a third time) against eager's double / triple backward. The
+# guard against kernels that detach, use no_grad or write in place: right at first order, wrong
+# at second.
+
+HO_OPS = (
+    "mul", "mm", "addmm", "tanh", "sigmoid", "exp", "log", "sqrt", "pow", "div", "sum", "mean", "prod",
+    "nn.functional.gelu", "nn.functional.silu", "nn.functional.softmax", "nn.functional.layer_norm",
+    "nn.functional.mse_loss", "nn.functional.linear", "cdist", "linalg.vector_norm", "where", "clamp",
+    "cumsum", "gather", "expand", "transpose", "cat", "atan2", "matmul",
+)
+
+
+@pytest.mark.timeout(600)
+def test_higher_order_mode_slice():
+    from tests.conformance import FALLBACK, run_higher_order
+
+    res, info = run_higher_order(HO_OPS, max_samples=1, third_order_ops=None)
+    bad = [f"{n}: {r.reasons.most_common(1)}" for n, r in sorted(res.items())
+           if r.counts[MISMATCHED] or r.counts[RAISED] or r.counts[FALLBACK]]
+    assert not bad, "\n".join(bad)
+    assert len(res) >= 25, sorted(res)
+    assert sum(r.counts[PASSED] for r in res.values()) > 30
+    assert info["orders"][3] >= 10, info  # the third-order slice was really reached
+
+
+def test_higher_order_mode_catches_a_kernel_that_detaches(monkeypatch):
+    """A tanh kernel that is right at first order but detaches its saved result is a mismatch at
+    order 2: the mode compares, it does not fall back to eager silently."""
+    import vjpgen.runtime as rt
+    from tests.conformance import run_higher_order
+    from vjpgen.runtime import plan as plan_mod
+
+    real = plan_mod._get_module
+
+    class Detaching:
+        def __init__(self, m):
+            self.m = m
+
+        def __getattr__(self, k):
+            return getattr(self.m, k)
+
+        def apply_functional(self, grads, nig, *saved):
+            return self.m.apply_functional(grads, nig, *[s.detach() for s in saved])
+
+    monkeypatch.setattr(plan_mod, "_get_module",
+                        lambda name: Detaching(real(name)) if name == "TanhBackward0" else real(name))
+    rt.clear_cache()
+    res, _ = run_higher_order(["tanh"], max_samples=1)
+    assert res["TanhBackward0"].counts[MISMATCHED] >= 1, res["TanhBackward0"].reasons

@@ -190,16 +190,15 @@ def test_compiled_autograd_context_manager():
     assert rt.stats()["backward_calls"] == 1
 
 
-def test_create_graph_falls_back_to_eager_with_warning():
-    import vjpgen.runtime.api as api
-
-    api._warned_create_graph = False
+def test_create_graph_is_compiled_not_eager():
     a = torch.randn(3, requires_grad=True)
-    with pytest.warns(UserWarning, match="create_graph"):
-        (g,) = rt.grad((a**3).sum(), a, create_graph=True, backend=BK)
+    (g,) = rt.grad((a**3).sum(), a, create_graph=True, backend=BK)
+    assert g.grad_fn is not None
     (gg,) = torch.autograd.grad(g.sum(), a)
     torch.testing.assert_close(gg, 6 * a.detach())
-    assert rt.stats()["eager_fallbacks"] == 1
+    st = rt.stats()
+    assert st["eager_fallbacks"] == 0
+    assert st["higher_order"]["compiles"] == {1: 1, 2: 1}
 
 
 def test_explain_returns_and_prints_only_when_asked(capsys):

@@ -1,0 +1,229 @@
+"""create_graph=True compiled to any order (runtime/higher_order.py), against eager autograd."""
+
+import pytest
+import torch
+
+import vjpgen.runtime as rt
+
+BK = "aot_eager"
+
+
+def _net(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(3, 8, generator=g).requires_grad_()
+    w2 = torch.randn(8, 1, generator=g).requires_grad_()
+    return w1, w2
+
+
+def _energy(x, w1, w2):
+    return (torch.tanh(x @ w1) @ w2).sum()
+
+
+def _no_fallbacks(st):
+    assert st["eager_fallbacks"] == 0, st["eager_fallback_reasons"]
+    assert not st["higher_order"]["eager_fallbacks"], st["higher_order"]["fallback_reasons"]
+    assert st["graph_breaks"] == 0, st["graph_break_reasons"]
+
+
+def test_grad_to_third_order_matches_eager():
+    w1, w2 = _net()
+    x = torch.randn(5, 3, requires_grad=True)
+
+    def orders(gradf):
+        (gx,) = gradf(_energy(x, w1, w2), x, create_graph=True)
+        g2 = gradf((gx**2).sum(), (x, w1, w2), create_graph=True)
+        g3 = gradf(sum((g.sin()).sum() for g in g2), (x, w1, w2))
+        return (gx, *g2, *g3)
+
+    ref = orders(torch.autograd.grad)
+    got = orders(lambda *a, **k: rt.grad(*a, backend=BK, **k))
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r)
+    st = rt.stats()
+    _no_fallbacks(st)
+    h = st["higher_order"]
+    assert h["compiles"].get(1) and h["compiles"].get(2)  # each create_graph call compiled
+    assert h["traced_vjps"].get(3)  # the last (first-order) call traced the order-2 graphs' vjps
+
+
+def test_backward_create_graph_leaf_grad_is_differentiable():
+    w1, w2 = _net()
+    x = torch.randn(4, 3)
+
+    def step(bw):
+        w1.grad = w2.grad = None
+        bw(_energy(x, w1, w2), create_graph=True)
+        g1, g2 = w1.grad, w2.grad
+        assert g1.grad_fn is not None
+        pen = (g1**2).sum() + (g2**2).sum()
+        return g1.detach(), g2.detach(), torch.autograd.grad(pen, (w1, w2))
+
+    r1, r2, rr = step(lambda l, **k: l.backward(**k))
+    v1, v2, vv = step(lambda l, **k: rt.backward(l, backend=BK, **k))
+    torch.testing.assert_close(v1, r1)
+    torch.testing.assert_close(v2, r2)
+    for a, b in zip(vv, rr):
+        torch.testing.assert_close(a, b)
+    _no_fallbacks(rt.stats())
+
+
+def test_backward_create_graph_accumulates_into_existing_grad():
+    w1, w2 = _net()
+    x = torch.randn(4, 3)
+    for bw in (lambda l: l.backward(create_graph=True), lambda l: rt.backward(l, create_graph=True, backend=BK)):
+        w1.grad = torch.ones_like(w1)
+        w2.grad = None
+        bw(_energy(x, w1, w2))
+        g = w1.grad
+        (h,) = torch.autograd.grad(g.pow(2).sum(), w1)
+        if bw.__code__.co_names.count("rt") == 0:
+            ref = (g.detach(), h)
+        else:
+            torch.testing.assert_close(g, ref[0])
+            torch.testing.assert_close(h, ref[1])
+
+
+def test_compiled_autograd_intercepts_autograd_grad_and_backward():
+    w1, w2 = _net()
+    x = torch.randn(6, 3, requires_grad=True)
+
+    def step():
+        w1.grad = w2.grad = None
+        (f,) = torch.autograd.grad(_energy(x, w1, w2), x, create_graph=True)
+        (f**2).sum().backward()
+        return f.detach(), w1.grad.clone(), w2.grad.clone()
+
+    ref = step()
+    with rt.compiled_autograd(backend=BK):
+        got = step()
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    st = rt.stats()
+    assert st["backward_calls"] == 2  # the grad call and the backward, both through vjpgen
+    _no_fallbacks(st)
+    assert torch.autograd.grad is rt.api._orig_autograd_grad  # restored on exit
+
+
+def test_inputs_allow_unused_and_grad_outputs_that_require_grad():
+    w1, w2 = _net()
+    x = torch.randn(3, 3, requires_grad=True)
+    unused = torch.randn(2, requires_grad=True)
+    v = torch.randn(3, 8, requires_grad=True)  # a cotangent that requires grad (HVP style)
+
+    def run(gradf):
+        out = torch.tanh(x @ w1)
+        gx, gu = gradf(out, (x, unused), v, create_graph=True, allow_unused=True, retain_graph=True)
+        assert gu is None
+        return (gx, *torch.autograd.grad((gx * gx).sum(), (v, w1, x)))
+
+    ref = run(torch.autograd.grad)
+    got = run(lambda *a, **k: rt.grad(*a, backend=BK, **k))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(RuntimeError, match="allow_unused"):
+        rt.grad(torch.tanh(x @ w1), (x, unused), v, create_graph=True, backend=BK)
+    # backward(inputs=) with create_graph: only those leaves, differentiable
+    w1.grad = w2.grad = None
+    rt.backward(_energy(x, w1, w2), inputs=[w1], create_graph=True, backend=BK)
+    assert w2.grad is None and w1.grad.grad_fn is not None
+    ref_g = torch.autograd.grad(_energy(x, w1, w2), w1)[0]
+    torch.testing.assert_close(w1.grad, ref_g)
+    _no_fallbacks(rt.stats())
+
+
+def test_retain_graph_false_frees_the_graph_like_eager():
+    w1, w2 = _net()
+    x = torch.randn(3, 3, requires_grad=True)
+    for gradf in (torch.autograd.grad, lambda *a, **k: rt.grad(*a, backend=BK, **k)):
+        e = _energy(x, w1, w2)
+        (gx,) = gradf(e, x, create_graph=True, retain_graph=False)
+        with pytest.raises(RuntimeError, match="second time"):
+            gradf(e, x)
+        # differentiating the result reaches the freed nodes (tanh's saved result): eager raises too
+        with pytest.raises(RuntimeError, match="second time"):
+            torch.autograd.grad(gx.sum(), w1)
+
+
+def test_requires_grad_pattern_is_part_of_the_key():
+    w1, w2 = _net()
+    x = torch.randn(3, 3, requires_grad=True)
+    (g_a,) = rt.grad(_energy(x, w1, w2), x, create_graph=True, backend=BK)
+    w1n = w1.detach()  # same structure minus one leaf, a saved tensor that no longer requires grad
+    (g_b,) = rt.grad(_energy(x, w1n, w2), x, create_graph=True, backend=BK)
+    ref_b = torch.autograd.grad(_energy(x, w1n, w2), x, create_graph=True)[0]
+    torch.testing.assert_close(g_b, ref_b)
+    (h,) = torch.autograd.grad(g_b.sum(), w2)
+    torch.testing.assert_close(h, torch.autograd.grad(ref_b.sum(), w2)[0])
+    assert g_a.grad_fn is not None
+
+
+def test_hooks_and_live_nodes_run_as_the_engine_runs_them():
+    """A tensor hook makes its node a graph break (live, in grad mode), an in-place op a live
+    CopySlices: eager's values and history, the rest compiled, nothing handed to torch.autograd."""
+    w1, w2 = _net()
+    x = torch.randn(3, 3, requires_grad=True)
+
+    def run(gradf, seen):
+        h = torch.tanh(x @ w1)
+        h.register_hook(lambda g: seen.append(g) or g * 2)
+        z = h.clone()
+        z[:, :2] *= 3.0  # CopySlices
+        (gx,) = gradf((z @ w2).sum(), x, create_graph=True)
+        return (gx, *torch.autograd.grad((gx**2).sum(), (w1, w2)))
+
+    seen_e, seen_v = [], []
+    ref = run(torch.autograd.grad, seen_e)
+    got = run(lambda *a, **k: rt.grad(*a, backend=BK, **k), seen_v)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
+    assert len(seen_v) == len(seen_e) >= 1, (len(seen_v), len(seen_e))
+    st = rt.stats()
+    assert st["eager_fallbacks"] == 0, st["eager_fallback_reasons"]
+    assert st["graph_breaks"] >= 1
+    assert st["higher_order"]["compiles"].get(1), st["higher_order"]
+
+
+def test_dynamic_sizes_recompile_at_most_once_per_order():
+    """A force field over molecules of different atom counts: each order compiles twice at most
+    (static, then dynamic after the first size change)."""
+    torch.manual_seed(0)
+    w1, w2 = _net()
+    for n in (5, 7, 9, 11):
+        pos = torch.randn(n, 3, requires_grad=True)
+        for gradf in (torch.autograd.grad, lambda *a, **k: rt.grad(*a, backend=BK, **k)):
+            w1.grad = w2.grad = None
+            e = _energy(pos, w1, w2)
+            (f,) = gradf(e, pos, create_graph=True)
+            gw = gradf((f**2).sum() + e, (w1, w2))
+            if gradf is torch.autograd.grad:
+                ref = (f.detach(), *gw)
+            else:
+                for a, b in zip((f, *gw), ref):
+                    torch.testing.assert_close(a, b)
+    st = rt.stats()
+    _no_fallbacks(st)
+    assert st["higher_order"]["compiles"][1] <= 2, st["recompile_reasons"]
+    assert st["compiles"] - st["higher_order"]["compiles"][1] <= 2, st["recompile_reasons"]
+
+
+def test_dynamic_sizes_through_the_compiled_vjp():
+    """Order 2 through torch's engine (the autograd.Function's compiled vjp) over atom counts:
+    eager's values, at most two compiles per order (static, then dynamic, guarded by the shapes'
+    guards including those the vjp's trace added)."""
+    from vjpgen.runtime import demo_higher_order as W
+
+    params, step, data = W.make_forcefield(rbf=4, hidden=8)
+    energy = step.energy
+    for k, n in enumerate((6, 8, 10, 12, 5)):
+        pos, _, f_ref = data(k, n)
+        p = pos.clone().requires_grad_()
+        (g,) = rt.grad(energy(p), p, create_graph=True, backend=BK)
+        got = torch.autograd.grad(((g - f_ref) ** 2).mean(), params, allow_unused=True)
+        p2 = pos.clone().requires_grad_()
+        (g2,) = torch.autograd.grad(energy(p2), p2, create_graph=True)
+        ref = torch.autograd.grad(((g2 - f_ref) ** 2).mean(), params, allow_unused=True)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b)
+    h = rt.stats()["higher_order"]
+    assert h["compiles"][1] <= 2 and h["compiles"][2] <= 2, h
+    assert not h["eager_fallbacks"], h["fallback_reasons"]
