@@ -77,7 +77,9 @@ def main(argv=None) -> int:
                     help="one rep on a few derivatives.yaml entries, to a temporary folder (bench/smoke.py)")
     a = ap.parse_args(argv)
     py = sys.executable
-    import torch  # only for the version line
+    from importlib.metadata import version
+
+    torch_version = version("torch")  # only for the version line (no torch import in this process)
 
     cols = ["vjpgen cold", "vjpgen warm", "vjpgen up to date", "torchgen"]
     times = {c: [] for c in cols}
@@ -94,7 +96,7 @@ def main(argv=None) -> int:
         gen += ["--overlay", ""]
     if a.jobs:
         gen += ["--jobs", str(a.jobs)]
-    print(f"bench-generate: torch {torch.__version__}, python {platform.python_version()}, "
+    print(f"bench-generate: torch {torch_version}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, {a.reps} reps (fresh subprocess each)", flush=True)
     try:
         for rep in range(a.reps):
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
     for c in cols:
         lines.append(f"| {c} | {med[c]:.2f} | {min(times[c]):.2f}–{max(times[c]):.2f} | {med[c] / ref:.2f}× |")
     header = (
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs (shared), median of {a.reps} fresh subprocesses each, "
+        f"torch {torch_version}, {os.cpu_count()} CPUs (shared), median of {a.reps} fresh subprocesses each, "
         f"inputs: torch's packaged "
         + (f"derivatives.yaml (its first {SMOKE_ENTRIES} entries: --smoke)" if a.smoke else "derivatives.yaml")
         + " + native_functions.yaml + tags.yaml"

@@ -52,14 +52,14 @@ CONFORMANCE_OPS = (
 MODELS = "gpt2,llama,vit,resnet18,resnet18-cl"
 
 
-def conformance_slice(max_samples: int = 2) -> dict:
+def conformance_slice(max_samples: int = 2, device: str = "cuda") -> dict:
     """Per-node check of the generated kernels on CUDA tensors: {status: count, ...} and failures."""
     import torch
     from torch.testing._internal.common_methods_invocations import op_db
 
     from vjpgen.runtime import verify
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     by_name = {}
     for op in op_db:
         if op.supports_autograd:
@@ -73,7 +73,7 @@ def conformance_slice(max_samples: int = 2) -> dict:
             continue
         ops_run.append(name)
         try:
-            samples = list(op.sample_inputs("cuda", torch.float32, requires_grad=True))[:max_samples]
+            samples = list(op.sample_inputs(device, torch.float32, requires_grad=True))[:max_samples]
         except Exception as e:  # noqa: BLE001 - reported
             fails.append(f"{name}: sample_inputs raised {verify._short(e)}")
             continue

@@ -34,10 +34,11 @@ def _results_state():
 
 
 @pytest.fixture(scope="module")
-def smoke_runs():
+def smoke_runs(tmp_path_factory):
     """{script name: (returncode, stdout, stderr, seconds)} for every bench script's --smoke run."""
     before = _results_state()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # the scripts' temporary folders (results, Inductor caches) land under pytest's, which it prunes
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path_factory.mktemp("bench-smoke")))
     # the smoke runs must not wait on a pool of Inductor compile workers (aot_eager compiles
     # nothing, but an import may still start one)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
