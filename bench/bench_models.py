@@ -407,14 +407,25 @@ def bench_model(name, device, threads, rounds, min_run_time, backend, smoke, log
         zero(pv)
         rt.backward(loss_fn(models["vjpgen"], *args), backend=backend)
 
-    br = bb.vjpgen_breakdown(s_vjpgen)
-    br.pop("calls per backward")
+    try:
+        br = bb.vjpgen_breakdown(s_vjpgen)
+    except RuntimeError as e:
+        # a stage never ran: the runtime no longer calls what a timer wraps (--smoke fails on that),
+        # or no node was compiled (every node live: a torch release outside vjpgen's supported range)
+        if smoke:
+            raise
+        br = None
+        res["breakdown_error"] = f"{e}; vjpgen stats: {rt.stats()['compiles']} compiles, " \
+                                 f"{rt.stats()['live_calls']} live calls"
+        log(f"  [{name}] no stage breakdown: {res['breakdown_error']}")
+    if br is not None:
+        br.pop("calls per backward")
+        per_call = br["total"] - br["compiled graph"]
+        res["per_call_us"] = per_call
+        res["per_call_share"] = per_call / br["total"] if br["total"] else float("nan")
+        log(f"  [{name}] vjpgen backward: {br['total']:.0f} µs, compiled graph {br['compiled graph']:.0f} µs, "
+            f"per-call work {per_call:.0f} µs ({100 * res['per_call_share']:.1f}%)")
     res["vjpgen_breakdown_us"] = br
-    per_call = br["total"] - br["compiled graph"]
-    res["per_call_us"] = per_call
-    res["per_call_share"] = per_call / br["total"] if br["total"] else float("nan")
-    log(f"  [{name}] vjpgen backward: {br['total']:.0f} µs, compiled graph {br['compiled graph']:.0f} µs, "
-        f"per-call work {per_call:.0f} µs ({100 * res['per_call_share']:.1f}%)")
 
     # peak memory of one backward (fresh graph)
     mem = {
@@ -447,15 +458,19 @@ def targets(r) -> list:
     st, first, mem = r["steady_ms"], r["first_step_s"], r["peak_mem_bytes"]
     br = r["vjpgen_breakdown_us"]
     rows = []
-    share = r["per_call_share"]
-    top = sorted(((k, v) for k, v in br.items() if k in bb.BREAKDOWN and k != "compiled graph"),
-                 key=lambda kv: -kv[1])[:3]
-    rows.append(("per-call work ≤ 5% of the backward", f"{r['per_call_us']:.0f} µs of {br['total']:.0f} µs "
-                 f"= {100 * share:.1f}%", _verdict(share, 0.05),
-                 "largest: " + ", ".join(f"{k} {v:.0f} µs" for k, v in top)))
+    if br is None:
+        rows.append(("per-call work ≤ 5% of the backward", "not measured", "n/a", r.get("breakdown_error", "")))
+        share = float("nan")
+    else:
+        share = r["per_call_share"]
+        top = sorted(((k, v) for k, v in br.items() if k in bb.BREAKDOWN and k != "compiled graph"),
+                     key=lambda kv: -kv[1])[:3]
+        rows.append(("per-call work ≤ 5% of the backward", f"{r['per_call_us']:.0f} µs of {br['total']:.0f} µs "
+                     f"= {100 * share:.1f}%", _verdict(share, 0.05),
+                     "largest: " + ", ".join(f"{k} {v:.0f} µs" for k, v in top)))
     v, tc = st["vjpgen"]["median"], st["torch.compile"]["median"]
     cause = ""
-    if v > tc:
+    if v > tc and br is not None:
         # steady backward: the graph's share is the breakdown's, scaled to the steady time
         graph_ms = v * br["compiled graph"] / br["total"] if br["total"] else float("nan")
         cause = (f"vjpgen's compiled graph alone ≈ {graph_ms:.2f} ms "
@@ -538,6 +553,10 @@ def render(out, argv) -> str:
           "| --- |" + " ---: |" * (len(bb.BREAKDOWN) + 2)]
     for r in rs:
         b = r["vjpgen_breakdown_us"]
+        if b is None:
+            L.append(f"| {r['model']} | " + " | ".join("—" for _ in bb.BREAKDOWN) + " | — | not measured: "
+                     + r.get("breakdown_error", "") + " |")
+            continue
         L.append(f"| {r['model']} | " + " | ".join(f"{b[k]:.0f}" for k in bb.BREAKDOWN)
                  + f" | {b['total']:.0f} | {r['per_call_us']:.0f} ({100 * r['per_call_share']:.1f}%) |")
     prof = [r for r in rs if r.get("profile_ms")]
@@ -611,6 +630,15 @@ def main(argv=None) -> int:
     log("bench-models: " + env)
     bb.warm_up_inductor(dev)
     results, skipped = [], {}
+
+    def write(results, skipped):
+        out = {"env": env, "device": dev_name, "models": results, "skipped": skipped, "notes": dict(NOTES)}
+        out_md.parent.mkdir(parents=True, exist_ok=True)
+        out_md.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str) + "\n")
+        text = render(out, argv)
+        out_md.write_text(text)
+        return text
+
     for name in a.models.split(","):
         lib = MODELS[name][0]
         if a.time_budget is not None and time.time() - t_start > a.time_budget:
@@ -625,11 +653,8 @@ def main(argv=None) -> int:
         results.append(bench_model(name, dev, a.threads, a.rounds, a.min_run_time, a.backend, a.smoke, log))
         rt.clear_cache()
         torch._dynamo.reset()
-    out = {"env": env, "device": dev_name, "models": results, "skipped": skipped, "notes": dict(NOTES)}
-    out_md.parent.mkdir(parents=True, exist_ok=True)
-    out_md.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str) + "\n")
-    text = render(out, argv)
-    out_md.write_text(text)
+        write(results, skipped)  # after every model: a run stopped from outside keeps what it measured
+    text = write(results, skipped)
     print("\n" + text)
     log(f"wrote {out_md}")
     if a.smoke:

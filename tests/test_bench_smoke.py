@@ -58,6 +58,7 @@ def smoke_runs(tmp_path_factory):
                 p.kill()
             out, err = p.communicate()
             done[name] = (p.returncode, out, err, time.monotonic() - t0)
+            print(f"{name} --smoke: rc {p.returncode}, {done[name][3]:.0f} s", file=sys.stderr)
             del running[name]
         time.sleep(0.05)
     return done, before, _results_state()
