@@ -193,6 +193,8 @@ def main(argv=None) -> int:
         L.append(body.replace("\n## ", "\n### "))
     else:
         L += ["```", steps["models"]["tail"][-3000:].strip(), "```"]
+    if steps["models"]["rc"] == "timeout":
+        L += ["", "The models step reached its deadline: a model missing above was not reached or not finished."]
     text = "\n".join(L) + "\n"
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
