@@ -14,7 +14,7 @@ column alike; the table reports medians (and min/max).
   own build generates from the same YAML) with torch's packaged templates.
 
 Both read the same files: torch's packaged derivatives.yaml, native_functions.yaml, tags.yaml
-(vjpgen with ``--overlay ''``; pass ``--overlay`` to add the repo's derivatives.yaml to vjpgen,
+(vjpgen with ``--repo-overlay ''``; pass ``--overlay`` to add the repo's derivatives.yaml to vjpgen,
 the product default).
 
 ``--smoke``: one rep on the first few entries of torch's derivatives.yaml (both generators read
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         subset = [str(_subset_yaml(work / "derivatives-subset.yaml"))]
         gen += ["--derivatives", subset[0]]
     if not a.overlay:
-        gen += ["--overlay", ""]
+        gen += ["--repo-overlay", ""]
     if a.jobs:
         gen += ["--jobs", str(a.jobs)]
     print(f"bench-generate: torch {torch_version}, python {platform.python_version()}, "

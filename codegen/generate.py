@@ -203,7 +203,17 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
         f"{s.module}.py": render_module(s, version, entry_sha256(loaded.entries[s.name], s.schema, version))
         for s in specs
     }
-    raw["__init__.py"] = render_index(specs, version, sha)
+    if inputs.user_overlays:
+        # an override package: only the classes the user's overlays define (the runtime consults it
+        # first and the default package for every other class; see vjpgen.runtime.kernels)
+        if not loaded.user_classes:
+            raise GenerateError(
+                f"{', '.join(map(str, inputs.user_overlays))}: no entry defines a backward node class of torch "
+                f"{version}; nothing to generate"
+            )
+        specs = [s for s in specs if s.name in loaded.user_classes]
+        raw = {f"{s.module}.py": raw[f"{s.module}.py"] for s in specs}
+    raw["__init__.py"] = render_index(specs, version, sha, overrides=bool(inputs.user_overlays))
     t2 = time.perf_counter()
     files = format_all(raw, jobs)
     t3 = time.perf_counter()

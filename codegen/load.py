@@ -27,13 +27,16 @@ class Inputs:
     native_functions: Path
     tags: Path
     overlay: Path | None  # the repo's derivatives.yaml
+    # a user's overlays (``--overlay``), merged over upstream and the repo's file in this order: the
+    # output is then an override package holding only the modules of the classes they define
+    user_overlays: tuple[Path, ...] = ()
 
     def files(self) -> list[Path]:
-        return [p for p in (self.derivatives, self.native_functions, self.tags, self.overlay) if p]
+        return [p for p in (self.derivatives, self.native_functions, self.tags, self.overlay, *self.user_overlays) if p]
 
 
-def default_inputs(overlay: Path | None) -> Inputs:
-    """The installed torch's packaged YAML files plus ``overlay``."""
+def default_inputs(overlay: Path | None, user_overlays: tuple[Path, ...] = ()) -> Inputs:
+    """The installed torch's packaged YAML files plus ``overlay`` (and a user's overlays)."""
     import torchgen
 
     base = Path(torchgen.__file__).parent / "packaged"
@@ -42,6 +45,7 @@ def default_inputs(overlay: Path | None) -> Inputs:
         base / "ATen" / "native" / "native_functions.yaml",
         base / "ATen" / "native" / "tags.yaml",
         overlay,
+        tuple(user_overlays),
     )
 
 
@@ -163,10 +167,11 @@ class Loaded:
 
     infos: list  # DifferentiabilityInfo with derivatives, in torchgen's order
     sources: dict[str, str]  # node class → "file:line" of its entry
-    overridden: dict[str, Entry]  # node class → the repo entry that defines it
+    overridden: dict[str, Entry]  # node class → the repo (or user) entry that defines it
     upstream_saved: dict[str, set[str]]  # node class → saved names of the upstream entry
     entries: dict[str, dict]  # node class → its (merged) derivatives.yaml entry
     added: list[Entry]  # repo entries that name no upstream entry
+    user_classes: frozenset = frozenset()  # node classes a user overlay (``--overlay``) defines
 
 
 def _load_with_torchgen(yaml_path: str, inputs: Inputs):
@@ -185,8 +190,15 @@ def _write_yaml(entries: list[dict]) -> str:
 
 
 def load(inputs: Inputs) -> Loaded:
-    """Load upstream + overlay through torchgen; bad overlay entries raise GenerateError."""
+    """Load upstream + overlay (+ user overlays) through torchgen; bad overlay entries raise
+    GenerateError. A user overlay's entry replaces the upstream and the repo entry of its name."""
     overlay = read_entries(inputs.overlay) if inputs.overlay else []
+    user: list[Entry] = []
+    for path in inputs.user_overlays:
+        user += read_entries(path)
+    if user:
+        user_names = {e.name for e in user}
+        overlay = [e for e in overlay if e.name not in user_names] + user
     for p in (inputs.native_functions, inputs.tags):
         if not os.access(p, os.R_OK):
             raise GenerateError(f"{p}: cannot read input")
@@ -227,16 +239,20 @@ def load(inputs: Inputs) -> Loaded:
             os.unlink(tmp)
     overlay_by_key = {_op_key(e.name): e for e in overlay}
     merged_by_key = {_op_key(e["name"]): e for e in merged}
+    user_keys = {_op_key(e.name) for e in user}
     sources: dict[str, str] = {}
     overridden: dict[str, Entry] = {}
     entries: dict[str, dict] = {}
+    user_classes = set()
     for info in infos:
         key = str(info.func.func.name)
         entries[info.op] = merged_by_key.get(key, {})
         if key in overlay_by_key:
             e = overlay_by_key[key]
-            sources[info.op] = f"{e.file.name}:{e.line} (repo)"
+            sources[info.op] = f"{e.file.name}:{e.line} ({'user overlay' if key in user_keys else 'repo'})"
             overridden[info.op] = e
+            if key in user_keys:
+                user_classes.add(info.op)
         else:
             sources[info.op] = f"torchgen/packaged/autograd/derivatives.yaml:{up_lines.get(key, 0)}"
-    return Loaded(infos, sources, overridden, upstream_saved, entries, added)
+    return Loaded(infos, sources, overridden, upstream_saved, entries, added, frozenset(user_classes))

@@ -45,8 +45,8 @@ def render_module(spec: NodeSpec, torch_version: str, entry_sha256: str) -> str:
     )
 
 
-def render_index(specs: list[NodeSpec], torch_version: str, inputs_sha256: str) -> str:
+def render_index(specs: list[NodeSpec], torch_version: str, inputs_sha256: str, overrides: bool = False) -> str:
     """Source of ``generated/__init__.py``: node class → module name, lazily imported."""
     return environment().get_template("index.py.j2").render(
-        specs=specs, origin=ORIGIN, torch_version=torch_version, inputs_sha256=inputs_sha256
+        specs=specs, origin=ORIGIN, torch_version=torch_version, inputs_sha256=inputs_sha256, overrides=overrides
     )

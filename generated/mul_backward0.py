@@ -2,7 +2,7 @@
 # torch 2.13.0; sha256 of its entry and schema 9ca18eb985dc13329db6f8b8ae1134e76ffbc63d6d6e044b27e6652ca6bb7827
 """Backward of ``mul.Tensor(Tensor self, Tensor other) -> Tensor``: the ``MulBackward0`` autograd node as Python.
 
-Source: derivatives.yaml:10 (repo) (vjpgen override of the upstream entry)
+Source: derivatives.yaml:15 (repo) (vjpgen override of the upstream entry)
 Formulas (C++, as in derivatives.yaml):
     other: handle_r_to_c(other_scalar_type, grad * self.conj())
     self: handle_r_to_c(self_scalar_type, grad * other.conj())

@@ -2,7 +2,8 @@
 
 Public API (see README.md): :func:`call_functional`, :func:`backward`, :func:`grad`,
 :func:`compiled_autograd`, :func:`stats`, :func:`explain`,
-:func:`set_compiled_autograd_kernels` (vjpgen's kernels inside torch's own compiled autograd).
+:func:`set_compiled_autograd_kernels` (vjpgen's kernels inside torch's own compiled autograd),
+:func:`use_kernels` (an override package of the user's, for both).
 """
 
 from .versions import warn_if_unsupported as _warn_if_unsupported
@@ -21,6 +22,7 @@ from .ca_kernels import (  # noqa: E402
 )
 from .api import backward, call_functional, clear_cache, compiled_autograd, grad  # noqa: E402
 from .explain import explain  # noqa: E402
+from .kernels import use_kernels  # noqa: E402
 from .stats import reset_stats, stats  # noqa: E402
 
 __all__ = [
@@ -36,4 +38,5 @@ __all__ = [
     "reset_stats",
     "set_compiled_autograd_kernels",
     "stats",
+    "use_kernels",
 ]

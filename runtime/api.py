@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import threading
 import warnings
 
 import torch
 
-from . import engine, graph_task, hooks, leaves, native, walk
+from . import capture, engine, graph_task, hooks, kernels, leaves, native, walk
 from . import plan as plan_mod
 from . import saved as _saved
 from .sparse import SPARSE_LAYOUTS, leaf_node
@@ -158,26 +159,13 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
             (index[n], nr) if n in index else None for n, nr in targets_edges
         )
     hooked_sig = tuple(sorted((i, h.describe()) for i, h in hooked.items())) if hooked else ()
-    skey = (key, root_idx, targets, accumulate, hooked_sig, backend)
+    skey = (key, root_idx, targets, accumulate, hooked_sig, backend, kernels.token())
     plan = _PLANS.get(skey)
     if plan is None:
-        tkey = key
-        if type(key) is bytes:  # the native walk's key: the plan reads the tuple form
-            walked, _, _, tkey, _ = walk.walk(root_edges, False, False)
-            if walked != nodes:
-                raise RuntimeError("vjpgen: the native graph walk disagrees with the Python walk")
-        plan = plan_mod.build_plan(nodes, metas, hooked, tkey, root_idx, targets, accumulate)
-        _PLANS[skey] = plan
-        STATS.plans += 1
-        for st in plan.steps:
-            if isinstance(st, plan_mod.LiveStep):
-                info = plan.infos[st.node]
-                record_break(info.name, info.live[1])
-                log.debug("vjpgen: graph break: %s called live (%s)", info.name, info.live[1])
-        log.debug(
-            "vjpgen: new graph structure: %d nodes, %d steps, %d graph breaks",
-            len(nodes), len(plan.steps), plan.n_breaks,
-        )
+        with capture.LOCK:  # threads: one plan per structure (another thread may have just built it)
+            plan = _PLANS.get(skey)
+            if plan is None:
+                plan = _PLANS[skey] = _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate)
     else:
         plan.hooked = hooked or {}
     if plan.eager_reason is not None:
@@ -199,6 +187,26 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         graph_task.run(job, keep_graph=bool(retain_graph))
         return box[0] if box else None
     return _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused)
+
+
+def _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate):
+    tkey = key
+    if type(key) is bytes:  # the native walk's key: the plan reads the tuple form
+        walked, _, _, tkey, _ = walk.walk(root_edges, False, False)
+        if walked != nodes:
+            raise RuntimeError("vjpgen: the native graph walk disagrees with the Python walk")
+    plan = plan_mod.build_plan(nodes, metas, hooked, tkey, root_idx, targets, accumulate)
+    STATS.plans += 1
+    for st in plan.steps:
+        if isinstance(st, plan_mod.LiveStep):
+            info = plan.infos[st.node]
+            record_break(info.name, info.live[1])
+            log.debug("vjpgen: graph break: %s called live (%s)", info.name, info.live[1])
+    log.debug(
+        "vjpgen: new graph structure: %d nodes, %d steps, %d graph breaks",
+        len(nodes), len(plan.steps), plan.n_breaks,
+    )
+    return plan
 
 
 def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused):
@@ -334,7 +342,19 @@ _explain_sink: list = []
 # ------------------------------------------------------------------------------------------
 # the context manager
 
-_backend_stack: list = []
+# Each thread has its own stack of compiled_autograd() blocks: a backward called on a thread that is
+# not inside one runs torch's own engine, while the patch of the entry points stays installed as long
+# as any thread is inside a block.
+_local = threading.local()
+_patch_lock = threading.Lock()
+_patch_users = 0
+
+
+def _stack() -> list:
+    st = getattr(_local, "backends", None)
+    if st is None:
+        st = _local.backends = []
+    return st
 
 
 @_opaque
@@ -343,42 +363,50 @@ def _patched_autograd_backward(
 ):
     if grad_variables is not None and grad_tensors is None:
         grad_tensors = grad_variables
-    if not _backend_stack:
+    st = _stack()
+    if not st:
         return _orig_autograd_backward(
             tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
         )
     return _backward_body(
         tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
-        backend=_backend_stack[-1],
+        backend=st[-1],
     )
 
 
 @_opaque
 def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
-    if not _backend_stack or (
+    st = _stack()
+    if not st or (
         torch.overrides.has_torch_function_unary(self)
     ):
         return _orig_tensor_backward(self, gradient, retain_graph, create_graph, inputs=inputs)
     return _backward_body(
         self, gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
-        backend=_backend_stack[-1],
+        backend=st[-1],
     )
 
 
 @contextlib.contextmanager
 def compiled_autograd(backend="inductor"):
-    """Within the block, ``Tensor.backward`` and ``torch.autograd.backward`` run through vjpgen."""
+    """Within the block, ``Tensor.backward`` and ``torch.autograd.backward`` run through vjpgen (on
+    this thread; other threads keep their own setting)."""
+    global _patch_users
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
-    _backend_stack.append(backend)
-    patched_here = torch.autograd.backward is not _patched_autograd_backward
-    if patched_here:
-        torch.autograd.backward = _patched_autograd_backward
-        torch.Tensor.backward = _patched_tensor_backward
+    st = _stack()
+    st.append(backend)
+    with _patch_lock:
+        _patch_users += 1
+        if _patch_users == 1:
+            torch.autograd.backward = _patched_autograd_backward
+            torch.Tensor.backward = _patched_tensor_backward
     try:
         yield
     finally:
-        _backend_stack.pop()
-        if patched_here:
-            torch.autograd.backward = _orig_autograd_backward
-            torch.Tensor.backward = _orig_tensor_backward
+        st.pop()
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                torch.autograd.backward = _orig_autograd_backward
+                torch.Tensor.backward = _orig_tensor_backward

@@ -202,10 +202,11 @@ def _note(kind: str, name: str, why: str) -> None:
 
 
 def _module_for(name: str):
-    from vjpgen.generated import get_module
+    from .kernels import get_module
 
-    # get_module serves the package of the installed torch release (a regenerated one when that is
-    # not generated/'s release) and None for a class its verify pass left to the live node
+    # get_module serves the selected override package first (use_kernels), then the package of the
+    # installed torch release (a regenerated one when that is not generated/'s release), and None
+    # for a class its verify pass left to the live node
     mod = get_module(name)
     if mod is None:
         return None, "no generated module for this torch release, or its module failed verification (served live)"
@@ -218,7 +219,10 @@ def _opaque_op(name: str, mod):
     """``ops.vjpgen_<name>``: the vjpgen kernel as one allow-in-graph call (packed args converted)."""
     from torch._dynamo.compiled_autograd import ops
 
-    op_name = f"vjpgen_{name}"
+    from .kernels import token
+
+    # one op per kernel selection: an op binds its module, so another selection gets another op
+    op_name = f"vjpgen_{name}" if token() == 0 else f"vjpgen_k{token()}_{name}"
     if not hasattr(ops, op_name):
 
         tag = {TAG: name}
@@ -336,6 +340,17 @@ def _set(enabled: bool) -> None:
         # compiled autograd's cache does not know the switch: graphs captured under the other
         # setting must not be reused.
         torch._C._dynamo.compiled_autograd.clear_cache()
+
+
+def _kernels_changed() -> None:
+    # graphs captured with the previous selection's kernels must not be reused
+    if _enabled:
+        torch._C._dynamo.compiled_autograd.clear_cache()
+
+
+from . import kernels as _kernels  # noqa: E402
+
+_kernels.on_change(_kernels_changed)
 
 
 def compiled_autograd_kernels_enabled() -> bool:

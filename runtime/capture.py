@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import re
+import threading
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -200,6 +201,12 @@ def fakeify(tensors, ints, dyn_dims, dyn_ints):
         else:
             ivals.append(v)
     return fakes, ivals, shape_env, mode
+
+
+# One trace or compile at a time in the process: make_fx's patcher, dynamo's and Inductor's config
+# patches are process-global, so two threads tracing at once broke each other ("CURRENT_PATCHER is
+# None"). Reentrant: a live node run while a region is planned may call backward again.
+LOCK = threading.RLock()
 
 
 def trace(fn, fake_args) -> torch.fx.GraphModule:

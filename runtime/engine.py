@@ -378,7 +378,11 @@ def _sparse_break(region, plan, nodes, metas, buf, ctx) -> None:
 
 def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext):
     """The general path of :func:`_run_region`: flatten, look up, trace and compile on a miss.
-    Returns (Compiled, T, I), or Nones when the region had to be interpreted."""
+    Returns (Compiled, T, I), or Nones when the region had to be interpreted.
+
+    Threads: a miss is handled under :data:`capture.LOCK` (one trace/compile at a time in the
+    process); a thread that waited looks the cache up again, so a structure another thread has just
+    compiled is a hit, not a second compile."""
     try:
         S, T, I, tid, _, _ = _gather(region, plan, nodes, metas, buf)
     except _NodeTraceError as e:
@@ -390,6 +394,18 @@ def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallC
         _sparse_break(region, plan, nodes, metas, buf, ctx)
         return None, None, None
     compiled, fk = region.cache.lookup(S, T, I)
+    if compiled is None:
+        with capture.LOCK:
+            return _miss(region, plan, nodes, metas, buf, ctx, S, T, I)
+    STATS.cache_hits += 1
+    compiled.hits += 1
+    # later calls with this S gather through a specialization (before the nodes release their state)
+    fastpath.remember(region, plan, nodes, metas, buf, S)
+    return compiled, T, I
+
+
+def _miss(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext, S, T, I):
+    compiled, fk = region.cache.lookup(S, T, I)  # another thread may have compiled it meanwhile
     if compiled is None:
         _, _, _, _, lT, lI = _gather(region, plan, nodes, metas, buf, labels=True)
         dd, di, reason = region.cache.plan_miss(S, T, I, lT, lI)

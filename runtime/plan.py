@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from . import capture, custom_function, sparse
+from . import capture, custom_function, kernels, sparse
 from . import saved as _saved
 from .cache import RegionCache
 from .release import raw_saved_names
@@ -23,13 +23,8 @@ _BackwardCFunction = torch.autograd.function.BackwardCFunction
 
 
 def _get_module(name: str):
-    from vjpgen import generated
-
-    gm = getattr(generated, "get_module", None)
-    if gm is None:
-        return None
     try:
-        return gm(name)
+        return kernels.get_module(name)  # the selected override package first, then the default one
     except Exception as e:  # a module that fails to import is a missing module
         log.debug("vjpgen: module for %s failed to import: %s", name, e)
         return None

@@ -28,10 +28,20 @@ def _parser() -> argparse.ArgumentParser:
         d.add_argument("--native-functions", type=Path, help="native_functions.yaml (default: torch's packaged one)")
         d.add_argument("--tags", type=Path, help="tags.yaml (default: torch's packaged one)")
         d.add_argument(
-            "--overlay",
+            "--repo-overlay",
             default=str(REPO / "derivatives.yaml"),
             help="the repo's derivatives.yaml, merged over the upstream file (default: %(default)s); "
-            "pass --overlay '' for none",
+            "pass --repo-overlay '' for none",
+        )
+        d.add_argument(
+            "--overlay",
+            action="append",
+            type=Path,
+            default=[],
+            metavar="FILE",
+            help="your own derivatives.yaml entries (e.g. examples/ste_round.yaml; repeatable), merged over "
+            "the upstream file and the repo's: the output (--out, required then) is an override package "
+            "holding only the node classes they define, selected with vjpgen.runtime.use_kernels(DIR)",
         )
         s.add_argument("--out", type=Path, default=REPO / "generated", help="output folder (default: %(default)s)")
         s.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for formatting (default: %(default)s)")
@@ -54,20 +64,28 @@ def main(argv: list[str] | None = None) -> int:
     from vjpgen.codegen.generate import check, generate
     from vjpgen.codegen.load import Inputs, default_inputs
 
-    overlay = Path(args.overlay) if args.overlay else None
+    overlay = Path(args.repo_overlay) if args.repo_overlay else None
+    if args.overlay and args.out.resolve() == (REPO / "generated").resolve():
+        print(
+            "vjpgen: error: --overlay writes an override package: pass --out DIR (generated/ is the default "
+            "package and computes torch's own formulas)",
+            file=sys.stderr,
+        )
+        return 2
     base = default_inputs(overlay)
     inputs = Inputs(
         args.derivatives or base.derivatives,
         args.native_functions or base.native_functions,
         args.tags or base.tags,
         overlay,
+        tuple(args.overlay),
     )
     t0 = time.perf_counter()
     try:
         if args.command == "generate":
             generate(args.out, inputs, jobs=args.jobs, force=args.force)
             print(f"vjpgen: generate took {time.perf_counter() - t0:.1f}s")
-            if not args.no_verify:
+            if not args.no_verify and not args.overlay:
                 _verify_if_other_release(args.out)
             return 0
         differ = check(args.out, inputs, jobs=args.jobs)

@@ -1,9 +1,14 @@
-"""The repo's derivatives.yaml override of ``round`` (a straight-through estimator) on all paths.
+"""A gradient-changing formula is an override package the user opts into, never the default.
 
-vjpgen's runtime and torch's compiled autograd with ``set_compiled_autograd_kernels(True)``
-compute the override (the grad passes through round); eager autograd keeps torch's formula (zero).
+The default package computes torch's formula for ``round`` (zero). The example overlay
+``examples/ste_round.yaml`` (round as a straight-through estimator), generated with
+``python -m vjpgen generate --overlay ... --out DIR`` and selected with ``rt.use_kernels(DIR)``,
+changes vjpgen's runtime and torch's compiled autograd with ``set_compiled_autograd_kernels(True)``
+alike; switching back gives torch's formula again, with no cached kernel of the other selection
+reused. Eager autograd always keeps torch's formula.
 """
 
+import pytest
 import torch
 from torch._dynamo import compiled_autograd as ca
 
@@ -25,60 +30,85 @@ def _straight_through(x0, w):
     return (3 * w).expand_as(x0)
 
 
-def test_generated_module_is_the_override():
+def _eager_grad(x0, w):
+    x = x0.clone().requires_grad_()
+    _loss(x, w).backward()
+    return x.grad
+
+
+def test_default_package_is_torchs_formula():
     mod = get_module("RoundBackward0")
     g = torch.randn(4)
     (out,) = mod.apply_functional([g], (True,))
-    torch.testing.assert_close(out, g)
+    torch.testing.assert_close(out, torch.zeros_like(g))
+    assert "overlay" not in (mod.__doc__ or "")
 
 
-def test_eager_autograd_keeps_torchs_formula():
+def test_override_package_holds_only_its_classes(ste_kernels):
+    files = sorted(p.name for p in ste_kernels.glob("*.py"))
+    assert files == ["__init__.py", "round_backward0.py"], files
+    text = (ste_kernels / "round_backward0.py").read_text()
+    assert "ste_round.yaml" in text and "user overlay" in text
+
+
+def test_vjpgen_runtime_default_then_override_then_default(ste_kernels):
+    """Switching the selection both ways never reuses a plan or compiled region of the other one."""
     x0, w = _inputs()
-    x = x0.clone().requires_grad_()
-    _loss(x, w).backward()
-    torch.testing.assert_close(x.grad, torch.zeros_like(x0))
-
-
-def test_vjpgen_runtime_computes_the_override():
-    x0, w = _inputs()
+    for want, sel in (("eager", None), ("ste", ste_kernels), ("eager", None), ("ste", ste_kernels)):
+        with rt.use_kernels(sel):
+            x = x0.clone().requires_grad_()
+            rt.backward(_loss(x, w), backend="aot_eager")
+        expected = _eager_grad(x0, w) if want == "eager" else _straight_through(x0, w)
+        torch.testing.assert_close(x.grad, expected, msg=f"selection {sel}")
+    # outside any selection: the default package again, and eager unchanged throughout
     x = x0.clone().requires_grad_()
     rt.backward(_loss(x, w), backend="aot_eager")
-    torch.testing.assert_close(x.grad, _straight_through(x0, w))
+    torch.testing.assert_close(x.grad, torch.zeros_like(x0))
+    torch.testing.assert_close(_eager_grad(x0, w), torch.zeros_like(x0))
 
 
-def test_compiled_autograd_with_the_switch_computes_the_override():
+def test_call_functional_honours_the_selection(ste_kernels):
+    x = torch.randn(3, requires_grad=True)
+    node = x.round().grad_fn
+    g = torch.randn(3)
+    torch.testing.assert_close(rt.call_functional(node, [g])[0], torch.zeros(3))
+    with rt.use_kernels(ste_kernels):
+        torch.testing.assert_close(rt.call_functional(node, [g])[0], g)
+
+
+def test_compiled_autograd_honours_the_selection(ste_kernels):
     x0, w = _inputs()
     torch._C._dynamo.compiled_autograd.clear_cache()
-    # switch off: torch's kernel, zero grad
-    x = x0.clone().requires_grad_()
-    with ca._enable(torch.compile(backend="aot_eager")):
-        _loss(x, w).backward()
-    torch.testing.assert_close(x.grad, torch.zeros_like(x0))
-    # switch on: the override
-    x = x0.clone().requires_grad_()
-    with rt.set_compiled_autograd_kernels(True), ca._enable(torch.compile(backend="aot_eager")):
-        _loss(x, w).backward()
-    torch.testing.assert_close(x.grad, _straight_through(x0, w))
+
+    def run():
+        x = x0.clone().requires_grad_()
+        with ca._enable(torch.compile(backend="aot_eager")):
+            _loss(x, w).backward()
+        return x.grad
+
+    with rt.set_compiled_autograd_kernels(True):
+        torch.testing.assert_close(run(), torch.zeros_like(x0))  # vjpgen's default kernels
+        with rt.use_kernels(ste_kernels):
+            torch.testing.assert_close(run(), _straight_through(x0, w))
+        torch.testing.assert_close(run(), torch.zeros_like(x0))  # the override's graph is not reused
     assert "RoundBackward0" in rt.compiled_autograd_kernel_stats()["vjpgen"]
+    # switch off: torch's kernel
+    torch.testing.assert_close(run(), torch.zeros_like(x0))
 
 
-def test_config_flag_path_and_its_limit():
-    """``torch._dynamo.config.compiled_autograd = True``: a backward called inside a compiled
-    function goes through compiled autograd, but a forward that torch.compile compiled has its
-    backward traced by AOTAutograd with torch's formulas (one CompiledFunctionBackward node), so
-    only node classes of an eager forward reach vjpgen's kernels."""
-    x0, w = _inputs()
+def test_bad_selections_say_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match=r"no generated package there; make one with `python -m vjpgen generate --overlay"):
+        rt.use_kernels(tmp_path)
+    from vjpgen import generated
+    from pathlib import Path
 
-    def step(x, forward):
-        loss = forward(x, w)
-        loss.backward()
-        return loss
+    with pytest.raises(ValueError, match="not an override package"):
+        rt.use_kernels(Path(generated.__file__).parent)
+    assert rt.kernels.current() is None
 
-    eager_forward = torch._dynamo.disable(_loss)  # forward eager, backward compiled by compiled autograd
-    with rt.set_compiled_autograd_kernels(True), torch._dynamo.config.patch(compiled_autograd=True):
-        x = x0.clone().requires_grad_()
-        torch.compile(step, backend="aot_eager")(x, eager_forward)
-        torch.testing.assert_close(x.grad, _straight_through(x0, w))
-        x = x0.clone().requires_grad_()
-        torch.compile(step, backend="aot_eager")(x, _loss)  # round inside the compiled forward
-        torch.testing.assert_close(x.grad, torch.zeros_like(x0))
+
+def test_overlay_needs_an_out_folder(capsys):
+    from vjpgen.__main__ import REPO, main
+
+    assert main(["generate", "--overlay", str(REPO / "examples" / "ste_round.yaml")]) == 2
+    assert "pass --out DIR" in capsys.readouterr().err
