@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the torch release generated/ is for (pyproject.toml admits every supported release)
 DEV_TORCH := 2.13.0
 
-.PHONY: install generate check-generated test test-torch tt-venv port-start demo demo-ddp bench bench-generate coverage clean
+.PHONY: install generate check-generated test test-torch tt-venv port-start demo demo-ddp bench bench-deps bench-generate gpu-check gpu-wheels coverage clean
 
 install: $(STAMP)
 
@@ -69,12 +69,35 @@ coverage: $(STAMP)
 bench-generate: $(STAMP)
 	$(PY) bench/bench_generate.py
 
-bench: $(STAMP) bench-generate
-	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install --quiet -e '.[bench]'
+# the bench extra (pyproject.toml) whenever any of its packages is missing, torchvision pinned to the
+# installed torch's release; fails if that changed torch (bench/deps.py)
+bench-deps: $(STAMP)
+	$(PY) bench/deps.py
+
+# every bench script, results to bench/results/ (docs/benchmarks.md); `--smoke` runs of the same
+# scripts are in `make test` (tests/test_bench_smoke.py)
+bench: $(STAMP) bench-deps bench-generate
 	$(PY) bench/bench_backward.py
+	$(PY) bench/bench_models.py
 	$(PY) bench/bench_ddp.py
 	$(PY) bench/bench_ca_kernels.py
 	$(PY) bench/bench_higher_order.py
+
+# The GPU check, for the lent GPU machine (docs/benchmarks.md): its own python3 and torch, no
+# registry there. `make gpu-wheels` here fetches the pure-Python wheels it lacks into .whl/ (ignored),
+# which the device tool carries; there `make gpu-check` (or `bash bench/gpu_check.sh`) installs them
+# and vjpgen offline and writes bench/results/gpu.md. Without CUDA it stops at the first CUDA call.
+GPU_PY ?= 3.12
+GPU_WHEELS := black==26.10.1 platformdirs==4.14.9 pytokens==0.4.1
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  --platform any -d .whl $(GPU_WHEELS)
+	ls -l .whl
+
+gpu-check:
+	PYTHON=$${PYTHON_GPU:-python3} bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -58,6 +58,7 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT / "bench"))  # bench/smoke.py
 
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # cold Inductor caches for first-step times
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="vjpgen-bench-inductor-")
@@ -74,10 +75,14 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import vjpgen.runtime as rt  # noqa: E402
 from vjpgen.runtime import api as rt_api, demo, engine as rt_engine, fastpath as rt_fastpath  # noqa: E402
-from vjpgen.runtime import hooks as rt_hooks  # noqa: E402
+from vjpgen.runtime import hooks as rt_hooks, leaves as rt_leaves, walk as rt_walk  # noqa: E402
 from vjpgen.runtime.memory import peak_backward_bytes  # noqa: E402
 
 METHODS = ["eager", "vjpgen", "compiled autograd", "torch.compile"]
+# the backend of every compiler in the run (vjpgen, compiled autograd, torch.compile); --smoke
+# sets "aot_eager" (no Inductor compile: seconds, not minutes)
+BACKEND = "inductor"
+BREAKDOWN_S = 0.5  # seconds of training steps under the stage timers (--smoke: less)
 
 # ------------------------------------------------------------------------------------------
 # models: the three demo models and a 6-layer transformer encoder
@@ -278,7 +283,7 @@ def compiled_autograd_ctx():
     from torch._dynamo import compiled_autograd
 
     def compiler_fn(gm):
-        return torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
+        return torch.compile(gm, backend=BACKEND, fullgraph=True, dynamic=False)
 
     return compiled_autograd._enable(compiler_fn, dynamic=False)
 
@@ -286,34 +291,50 @@ def compiled_autograd_ctx():
 BREAKDOWN = ["walk", "gather", "guards", "release", "compiled graph", "leaf sinks", "rest of the call"]
 
 
-def vjpgen_breakdown(step, min_time: float = 0.5) -> dict:
+# The functions the stage timers wrap: (module, attribute, timer). Each must be the name the
+# runtime calls through (a module attribute looked up per call), or its timer measures nothing:
+# vjpgen_breakdown fails then rather than report zeros (and the smoke test fails with it).
+STAGE_TIMERS = (
+    (rt_api, "_run", "total"),  # backward()/grad() -> _run: the whole call
+    (rt_walk, "walk_fast", "walk"),  # api: walk.walk_fast (native walk with input metadata)
+    (rt_engine, "execute", "execute"),  # api._execute: engine.execute (the plan's steps)
+    (rt_fastpath, "lookup", "gather"),  # engine._run_region: fastpath.lookup (specialized gather)
+    (rt_engine, "find", "guards"),  # engine._run_region: find (cache.find imported into engine)
+    (rt_engine, "release_nodes", "release"),  # engine._run_region: release_nodes (no retain_graph)
+    (rt_leaves, "accumulate_leaves", "leaf sinks"),  # api._execute: leaves.accumulate_leaves
+)
+
+
+def vjpgen_breakdown(step, min_time: float | None = None, expect=None) -> dict:
     """Where a vjpgen backward's time goes, µs per call, from timers around the runtime's stages
     while ``step`` (a training step) runs repeatedly: the native walk with input metadata, the
     specialized gathers, the guard lookup, releasing saved tensors, the compiled graphs (with the
     region's bookkeeping), AccumulateGrad sinks and the rest of the API call (root grads, plan
-    lookup, hooks checks). The timers add ~0.2 µs per timed call."""
+    lookup, hooks checks). The timers add ~0.2 µs per timed call.
+
+    Raises when a timer in ``expect`` (default: all) wrapped a function that was never called:
+    the runtime no longer calls what the timer wraps, and its stage would read zero."""
     pc = time.perf_counter_ns
-    acc = dict.fromkeys(["total", "walk", "execute", "gather", "guards", "release", "leaf sinks"], 0)
-    patched = [
-        (rt_api, "_run", "total"), (rt_engine, "walk_fast", "walk"), (rt_engine, "execute", "execute"),
-        (rt_fastpath, "lookup", "gather"), (rt_engine, "find", "guards"),
-        (rt_engine, "release_nodes", "release"), (rt_engine, "accumulate_leaves", "leaf sinks"),
-    ]
+    min_time = BREAKDOWN_S if min_time is None else min_time
+    labels = [label for _, _, label in STAGE_TIMERS]
+    acc = dict.fromkeys(labels, 0)
+    count = dict.fromkeys(labels, 0)
     saved = []
-    for mod, attr, label in patched:
-        f = getattr(mod, attr)
-        saved.append((mod, attr, f))
-
-        def timed(*a, _f=f, _label=label, **k):
-            t = pc()
-            try:
-                return _f(*a, **k)
-            finally:
-                acc[_label] += pc() - t
-
-        setattr(mod, attr, timed)
-    calls = 0
     try:
+        for mod, attr, label in STAGE_TIMERS:
+            f = getattr(mod, attr)  # AttributeError: the function moved; update STAGE_TIMERS
+            saved.append((mod, attr, f))
+
+            def timed(*a, _f=f, _label=label, **k):
+                t = pc()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    acc[_label] += pc() - t
+                    count[_label] += 1
+
+            setattr(mod, attr, timed)
+        calls = 0
         t_end = time.perf_counter() + min_time
         while time.perf_counter() < t_end or calls < 20:
             step()
@@ -321,12 +342,19 @@ def vjpgen_breakdown(step, min_time: float = 0.5) -> dict:
     finally:
         for mod, attr, f in saved:
             setattr(mod, attr, f)
+    expect = set(labels) if expect is None else set(expect)
+    never = [f"{mod.__name__}.{attr} ({label})" for mod, attr, label in STAGE_TIMERS
+             if label in expect and count[label] == 0]
+    if never:
+        raise RuntimeError("bench: stage timers around functions the runtime never called: "
+                           + ", ".join(never) + "; update STAGE_TIMERS in bench/bench_backward.py")
     us = {k: v / calls / 1e3 for k, v in acc.items()}
     out = {k: us[k] for k in ("walk", "gather", "guards", "release")}
     out["compiled graph"] = us["execute"] - us["gather"] - us["guards"] - us["release"]
     out["leaf sinks"] = us["leaf sinks"]
     out["rest of the call"] = us["total"] - us["walk"] - us["execute"] - us["leaf sinks"]
     out["total"] = us["total"]
+    out["calls per backward"] = {k: v / calls for k, v in count.items()}
     return out
 
 
@@ -409,7 +437,7 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
     with cold():
         _sync(device)
         t0 = time.perf_counter()
-        rt.backward(loss_v, retain_graph=True, backend="inductor")
+        rt.backward(loss_v, retain_graph=True, backend=BACKEND)
         _sync(device)
         first["vjpgen"] = time.perf_counter() - t0
     res["vjpgen_max_diff"] = diff("vjpgen")
@@ -436,7 +464,7 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
 
     # torch.compile of the whole step (forward + AOTAutograd compiled backward)
     tc_model = models["torch.compile"]
-    cfwd = torch.compile(lambda: loss_fn(tc_model, *args), backend="inductor", dynamic=False)
+    cfwd = torch.compile(lambda: loss_fn(tc_model, *args), backend=BACKEND, dynamic=False)
 
     def tc_fwd():
         torch.manual_seed(1)
@@ -467,7 +495,7 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
 
     def b_vjpgen():
         zero(pv)
-        rt.backward(loss_v, retain_graph=True, backend="inductor")
+        rt.backward(loss_v, retain_graph=True, backend=BACKEND)
 
     def b_ca():
         zero(pc)
@@ -533,7 +561,7 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
 
     def s_vjpgen():
         zero(pv)
-        rt.backward(fv(), backend="inductor")
+        rt.backward(fv(), backend=BACKEND)
 
     def s_ca():
         zero(pc)
@@ -562,13 +590,13 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
     log("  [" + name + "] training step: " + ", ".join(f"{k} {v[0] * 1e3:.2f} ms" for k, v in t.items()))
     res["vjpgen_breakdown_us"] = vjpgen_breakdown(s_vjpgen)
     log(f"  [{name}] vjpgen backward breakdown (µs): "
-        + ", ".join(f"{k} {v:.0f}" for k, v in res["vjpgen_breakdown_us"].items()))
+        + ", ".join(f"{k} {v:.0f}" for k, v in res["vjpgen_breakdown_us"].items() if k in BREAKDOWN))
 
     # peak memory during one backward (fresh graph, no retain_graph)
     mem = {}
     mem["eager"] = peak_backward_bytes(fwd_of("eager"), lambda l: l.backward(), device, before=lambda: zero(pe))
     mem["vjpgen"] = peak_backward_bytes(
-        fwd_of("vjpgen"), lambda l: rt.backward(l, backend="inductor"), device, before=lambda: zero(pv)
+        fwd_of("vjpgen"), lambda l: rt.backward(l, backend=BACKEND), device, before=lambda: zero(pv)
     )
     if "compiled autograd" in fns:
         mem["compiled autograd"] = peak_backward_bytes(
@@ -586,7 +614,7 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
 def warm_up_inductor(device):
     """Pay Inductor's one-time costs (imports, compiler probing) before any first-step timing."""
     x = torch.randn(8, device=device, requires_grad=True)
-    f = torch.compile(lambda t: (t.sin() * 2).sum(), backend="inductor", dynamic=False)
+    f = torch.compile(lambda t: (t.sin() * 2).sum(), backend=BACKEND, dynamic=False)
     f(x).backward()
     torch._dynamo.reset()
 
@@ -693,7 +721,10 @@ def bench_overhead(sizes, device, threads, rounds, min_run_time, log):
     t = interleaved(fns, threads, rounds, min_run_time)
     s = rt.stats()
     for row in rows:  # the stage timers of vjpgen_breakdown, per node (after the timing: they add ~0.2 µs a stage)
-        br = vjpgen_breakdown(fns[f"hit {row['nodes']}"], min_time=0.3)
+        # (retain_graph: nothing is released)
+        br = vjpgen_breakdown(fns[f"hit {row['nodes']}"], min_time=0.6 * BREAKDOWN_S,
+                              expect=[lb for _, _, lb in STAGE_TIMERS if lb != "release"])
+        br.pop("calls per backward")
         row["stage_ns_per_node"] = {k: v * 1e3 / row["nodes"] for k, v in br.items()}
     out = []
     for row in rows:
@@ -920,7 +951,20 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-models", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA table even when a GPU is present")
+    ap.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"],
+                    help="the backend of vjpgen, compiled autograd and torch.compile alike")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes (mlp, chains of 20 and 60 nodes, one round), aot_eager, results to a "
+                    "temporary folder; prints a BENCH-SMOKE line and fails if a stage timer measured nothing")
     a = ap.parse_args(argv)
+    global BACKEND, BREAKDOWN_S
+    if a.smoke:
+        BREAKDOWN_S = 0.05
+        a.models, a.rounds, a.min_run_time, a.overhead_sizes = "mlp", 1, 0.002, "20,60"
+        a.backend, a.no_cuda = "aot_eager", True
+        if a.out == str(RESULTS):
+            a.out = tempfile.mkdtemp(prefix="vjpgen-bench-smoke-")
+    BACKEND = a.backend
     torch.set_num_threads(a.threads)  # before any compile: Inductor sizes its OpenMP loops by it
     t_start = time.time()
 
@@ -965,7 +1009,31 @@ def main(argv=None) -> int:
         if plot(out["cpu"]["models"], outdir / "backward.png", a.device):
             log(f"wrote {outdir / 'backward.png'}")
     log(f"wrote {outdir / 'backward.md'} ({time.time() - t_start:.0f}s)")
+    if a.smoke:
+        return smoke_report(out)
     return 0
+
+
+def smoke_report(out) -> int:
+    """--smoke: every timed quantity of the run as a stage timer of the BENCH-SMOKE line."""
+    from smoke import flatten, report
+
+    timers = {}
+    for r in out["cpu"].get("models") or []:
+        m = r["model"]
+        flatten(f"{m} steady ms/", r["steady_ms"], timers)
+        flatten(f"{m} step ms/", r["step_ms"], timers)
+        flatten(f"{m} first step s/", r["first_step_s"], timers)
+        flatten(f"{m} peak bytes/", r["peak_mem_bytes"], timers)
+        flatten(f"{m} breakdown us/", {k: r["vjpgen_breakdown_us"][k] for k in BREAKDOWN}, timers)
+        if r.get("floor_gap_ms"):
+            flatten(f"{m} profiled wall ms/", {k: v["profiled wall"] for k, v in r["floor_gap_ms"].items()}, timers)
+    for o in out["cpu"].get("overhead") or []:
+        timers[f"overhead {o['nodes']} hit us/node"] = o["per_node_us"]
+        timers[f"overhead {o['nodes']} eager us/node"] = o["eager_per_node_us"]
+        flatten(f"overhead {o['nodes']} stage ns/node/",
+                {k: v for k, v in o["stage_ns_per_node"].items() if k != "release"}, timers)
+    return report("bench_backward", timers)
 
 
 SMALL = ("mlp", "cnn", "transformer")
@@ -984,7 +1052,7 @@ def _top_stages(r) -> str:
     b = r.get("vjpgen_breakdown_us")
     if not b:
         return ""
-    top = sorted(((k, v) for k, v in b.items() if k != "total"), key=lambda kv: -kv[1])[:3]
+    top = sorted(((k, v) for k, v in b.items() if k in BREAKDOWN), key=lambda kv: -kv[1])[:3]
     return "; top three costs of vjpgen's backward (stage timers, µs): " + ", ".join(f"{k} {v:.0f}" for k, v in top)
 
 
@@ -1068,6 +1136,24 @@ def targets(out):
             verdict, margin = _verdict(f["vjpgen"] / f["compiled autograd"], 1.0)
             rows.append(("first compile no slower than compiled autograd", r["model"],
                          f"{f['vjpgen']:.1f} s vs {f['compiled autograd']:.1f} s", verdict, margin))
+    # issue 25's targets (bench_models.py checks the same on the real-library models)
+    for r in models:
+        b = r.get("vjpgen_breakdown_us")
+        if b and b["total"]:
+            own = b["total"] - b["compiled graph"]
+            verdict, margin = _verdict(own / b["total"], 0.05)
+            rows.append(("issue 25: vjpgen's per-call work (all but the compiled graph) ≤ 5% of its backward",
+                         r["model"], f"{own:.0f} of {b['total']:.0f} µs" + _top_stages(r), verdict, margin))
+        f = r["first_step_s"]
+        if f.get("torch.compile"):
+            verdict, margin = _verdict(f["vjpgen"] / f["torch.compile"], 0.5)
+            rows.append(("issue 25: first step ≤ 0.5× torch.compile's (its first forward + backward)", r["model"],
+                         f"{f['vjpgen']:.1f} s vs {f['torch.compile']:.1f} s", verdict, margin))
+        m = r["peak_mem_bytes"]
+        if m.get("eager"):
+            verdict, margin = _verdict(m["vjpgen"] / m["eager"], 1.0)
+            rows.append(("issue 25: peak backward memory ≤ eager's", r["model"],
+                         f"{fmt_bytes(m['vjpgen'])} vs {fmt_bytes(m['eager'])}", verdict, margin))
     return rows
 
 
@@ -1076,10 +1162,12 @@ def results_md(out, gen, body):
     met = sum(1 for r in rows if r[3] == "met")
     n_targets = sum(1 for r in rows if r[3] != "reference")
     lines = [
-        "# Benchmark results (issue 5)",
+        "# Benchmark results (issues 5 and 25)",
         "",
-        "Reproduce: `make bench` (runs `bench/bench_generate.py`, then `bench/bench_backward.py`; about "
-        "12 minutes on 2 shared cores). Raw numbers: `generate.json`, `backward.json`; chart: `backward.png`.",
+        "Reproduce: `make bench` (runs `bench/bench_generate.py`, `bench/bench_backward.py`, "
+        "`bench/bench_models.py`, `bench/bench_ddp.py`, `bench/bench_ca_kernels.py`; docs/benchmarks.md). This "
+        "file is bench_backward.py's, on its four models; the real-library models are in `models.md`. Raw "
+        "numbers: `generate.json`, `backward.json`; chart: `backward.png`.",
         "",
         out["env"],
         "",

@@ -36,6 +36,7 @@ import vjpgen.runtime as rt  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 KINDS = ("torch", "vjpgen")
+STEADY_S = 0.2  # seconds of steady calls per segment (--smoke: less)
 
 
 def _ctx(backend, graphs):
@@ -127,7 +128,7 @@ def bench_model(name, backend, rounds, log):
                 loss.backward(retain_graph=True)
             t0 = time.perf_counter()
             n = len(times[kind])
-            while len(times[kind]) - n < 5 or time.perf_counter() - t0 < 0.2:
+            while len(times[kind]) - n < 5 or time.perf_counter() - t0 < STEADY_S:
                 for p in params:
                     p.grad = None
                 t1 = time.perf_counter()
@@ -189,12 +190,27 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=4,
                     help="segments per kernel kind (at least 2; the first 2 of each compile from empty caches)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1, as bench_backward.py)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="mlp, aot_eager, 2 segments per kind, results to a temporary folder (bench/smoke.py)")
     a = ap.parse_args(argv)
+    global OUT, STEADY_S
+    if a.smoke:
+        a.models, a.backend, a.rounds = "mlp", "aot_eager", 2
+        OUT, STEADY_S = Path(tempfile.mkdtemp(prefix="vjpgen-bench-smoke-")), 0.02
     torch.set_num_threads(a.threads)
     warm_up(a.backend)
     results = [bench_model(n, a.backend, a.rounds, lambda s: print(s, flush=True)) for n in a.models.split(",")]
     write(results, a.backend, a.threads, a.rounds)
     print((OUT / "ca_kernels.md").read_text())
+    if a.smoke:
+        from smoke import report
+
+        timers = {}
+        for r in results:
+            for k in KINDS:
+                timers[f"{r['model']} steady ms/{k}"] = r["steady_ms"][k]
+                timers[f"{r['model']} first s/{k}"] = r["first_s"][k]
+        return report("bench_ca_kernels", timers)
     return 0
 
 

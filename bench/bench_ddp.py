@@ -22,12 +22,12 @@ import time
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def _methods(backend):
+def _methods(backend, model_name="transformer"):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import vjpgen.runtime as rt
-    from vjpgen.runtime.demo import make_transformer
+    from vjpgen.runtime.demo import MODELS
 
     def ca_ctx():
         from torch._dynamo import compiled_autograd
@@ -38,7 +38,7 @@ def _methods(backend):
         return compiled_autograd._enable(compiler_fn, dynamic=False)
 
     def build(kind):
-        model, batch, loss_fn = make_transformer()
+        model, batch, loss_fn = MODELS[model_name]()
         if kind == "compiled autograd (python_reducer)":
             old = torch._dynamo.config.optimize_ddp
             torch._dynamo.config.optimize_ddp = "python_reducer"
@@ -71,11 +71,11 @@ def _methods(backend):
     return {k: build(k) for k in ("eager DDP", "vjpgen", "compiled autograd (python_reducer)")}
 
 
-def _rank(rank, world_size, rounds, per_turn, backend):
+def _rank(rank, world_size, rounds, per_turn, backend, model="transformer"):
     import torch
 
     torch.set_num_threads(1)
-    fns = _methods(backend)
+    fns = _methods(backend, model)
     first = {}
     errors = {}
     for k, f in fns.items():  # warm-up: compiles, then two steps
@@ -110,12 +110,21 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-turn", type=int, default=5)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--model", default="transformer", help="a model of vjpgen.runtime.demo.MODELS")
+    ap.add_argument("--smoke", action="store_true",
+                    help="1 round of 1 step, aot_eager, results to a temporary folder (bench/smoke.py)")
     a = ap.parse_args(argv)
+    global RESULTS
+    if a.smoke:
+        import tempfile
+
+        a.rounds, a.steps_per_turn, a.backend, a.timeout, a.model = 1, 1, "aot_eager", 300.0, "mlp"
+        RESULTS = pathlib.Path(tempfile.mkdtemp(prefix="vjpgen-bench-smoke-"))
     import torch
 
-    res = ranks.run(_rank, a.rounds, a.steps_per_turn, a.backend, timeout=a.timeout)
+    res = ranks.run(_rank, a.rounds, a.steps_per_turn, a.backend, a.model, timeout=a.timeout)
     lines = [
-        "# DDP step time (2 ranks, gloo on 127.0.0.1, transformer block)",
+        f"# DDP step time (2 ranks, gloo on 127.0.0.1, {a.model})",
         "",
         f"`python bench/bench_ddp.py` — torch {torch.__version__}, backend {a.backend}, "
         f"{a.rounds} rounds of {a.steps_per_turn} steps per method, 1 thread per rank; "
@@ -142,6 +151,16 @@ def main(argv=None) -> int:
     (RESULTS / "ddp.md").write_text(text)
     (RESULTS / "ddp.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(text)
+    if a.smoke:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+        from smoke import report
+
+        timers = {}
+        for rank, r in enumerate(res):
+            for k in ("eager DDP", "vjpgen", "compiled autograd (python_reducer)"):
+                # a method that failed has no time: its timer reads None and the smoke run fails
+                timers[f"rank {rank} step ms/{k}"] = r["median_ms"].get(k)
+        return report("bench_ddp", timers, {f"rank {i} {k}": v for i, r in enumerate(res) for k, v in r["errors"].items()})
     return 0
 
 

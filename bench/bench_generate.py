@@ -16,6 +16,9 @@ column alike; the table reports medians (and min/max).
 Both read the same files: torch's packaged derivatives.yaml, native_functions.yaml, tags.yaml
 (vjpgen with ``--repo-overlay ''``; pass ``--overlay`` to add the repo's derivatives.yaml to vjpgen,
 the product default).
+
+``--smoke``: one rep on the first few entries of torch's derivatives.yaml (both generators read
+that subset), results to a temporary folder; prints a BENCH-SMOKE line (bench/smoke.py).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from torchgen.packaged.autograd.load_derivatives import load_derivatives
 from torchgen.packaged.autograd.gen_autograd_functions import gen_autograd_functions_lib
 base = os.path.join(os.path.dirname(torchgen.__file__), "packaged")
 infos, _ = load_derivatives(
-    os.path.join(base, "autograd", "derivatives.yaml"),
+    sys.argv[2] if len(sys.argv) > 2 else os.path.join(base, "autograd", "derivatives.yaml"),
     os.path.join(base, "ATen", "native", "native_functions.yaml"),
     os.path.join(base, "ATen", "native", "tags.yaml"),
 )
@@ -70,19 +73,30 @@ def main(argv=None) -> int:
     ap.add_argument("--overlay", action="store_true", help="include the repo's derivatives.yaml (vjpgen only)")
     ap.add_argument("--jobs", type=int, default=None, help="vjpgen --jobs (default: its own default)")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--smoke", action="store_true",
+                    help="one rep on a few derivatives.yaml entries, to a temporary folder (bench/smoke.py)")
     a = ap.parse_args(argv)
     py = sys.executable
-    import torch  # only for the version line
+    from importlib.metadata import version
+
+    torch_version = version("torch")  # only for the version line (no torch import in this process)
 
     cols = ["vjpgen cold", "vjpgen warm", "vjpgen up to date", "torchgen"]
     times = {c: [] for c in cols}
     work = Path(tempfile.mkdtemp(prefix="vjpgen-bench-gen-"))
     gen = [py, "-m", "vjpgen", "generate"]
+    subset = []  # --smoke: the derivatives.yaml both generators read
+    if a.smoke:
+        a.reps, a.jobs = 1, a.jobs or 1  # no formatting pool for 6 modules
+        if a.out == str(RESULTS):
+            a.out = str(work / "results")
+        subset = [str(_subset_yaml(work / "derivatives-subset.yaml"))]
+        gen += ["--derivatives", subset[0]]
     if not a.overlay:
         gen += ["--repo-overlay", ""]
     if a.jobs:
         gen += ["--jobs", str(a.jobs)]
-    print(f"bench-generate: torch {torch.__version__}, python {platform.python_version()}, "
+    print(f"bench-generate: torch {torch_version}, python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs, {a.reps} reps (fresh subprocess each)", flush=True)
     try:
         for rep in range(a.reps):
@@ -95,7 +109,7 @@ def main(argv=None) -> int:
             times["vjpgen up to date"].append(_run(gen + ["--out", str(out)], env))
             tg = work / f"torchgen{rep}"
             tg.mkdir()
-            times["torchgen"].append(_run([py, "-c", TORCHGEN_SCRIPT, str(tg)]))
+            times["torchgen"].append(_run([py, "-c", TORCHGEN_SCRIPT, str(tg), *subset]))
             print(f"  rep {rep + 1}/{a.reps}: " + ", ".join(f"{c} {times[c][-1]:.2f}s" for c in cols), flush=True)
             shutil.rmtree(cache, ignore_errors=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -112,8 +126,10 @@ def main(argv=None) -> int:
     for c in cols:
         lines.append(f"| {c} | {med[c]:.2f} | {min(times[c]):.2f}–{max(times[c]):.2f} | {med[c] / ref:.2f}× |")
     header = (
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs (shared), median of {a.reps} fresh subprocesses each, "
-        f"inputs: torch's packaged derivatives.yaml + native_functions.yaml + tags.yaml"
+        f"torch {torch_version}, {os.cpu_count()} CPUs (shared), median of {a.reps} fresh subprocesses each, "
+        f"inputs: torch's packaged "
+        + (f"derivatives.yaml (its first {SMOKE_ENTRIES} entries: --smoke)" if a.smoke else "derivatives.yaml")
+        + " + native_functions.yaml + tags.yaml"
         + (" + repo derivatives.yaml (vjpgen)" if a.overlay else "")
     )
     table = "\n".join(lines)
@@ -126,7 +142,27 @@ def main(argv=None) -> int:
     )
     (outdir / "generate.json").write_text(json.dumps({"header": header, "times": times, "median": med}, indent=1))
     print(f"\nwrote {outdir / 'generate.md'}")
+    if a.smoke:
+        shutil.rmtree(work, ignore_errors=True)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from smoke import report
+
+        return report("bench_generate", {f"{c} s": med[c] for c in cols})
     return 0
+
+
+SMOKE_ENTRIES = 6
+
+
+def _subset_yaml(path: Path) -> Path:
+    """The first ``SMOKE_ENTRIES`` entries of torch's packaged derivatives.yaml, written to ``path``."""
+    import torchgen
+    import yaml
+
+    src = Path(torchgen.__file__).parent / "packaged" / "autograd" / "derivatives.yaml"
+    entries = yaml.load(src.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    path.write_text(yaml.safe_dump(entries[:SMOKE_ENTRIES], sort_keys=False))
+    return path
 
 
 if __name__ == "__main__":
