@@ -94,6 +94,32 @@ def compare_ca(outs, leaves, gos) -> tuple[str, str]:
     return PASSED, ""
 
 
+def _samples(op, dtypes, max_samples):
+    """``(dtype name, sample)`` of ``op`` for the CPU dtypes it supports, the first ``max_samples``
+    of each (an op whose sample_inputs raises gives none)."""
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        if dtype not in op.supported_dtypes("cpu"):
+            continue
+        try:
+            samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))[:max_samples]
+        except Exception:
+            continue
+        for s in samples:
+            yield dname, s
+
+
+def _record(results, names, label, status, reason) -> None:
+    """One graph's result for every node class it holds."""
+    for name in names:
+        r = results[name]
+        r.tried += 1
+        r.ops.add(label)
+        r.counts[status] += 1
+        if reason:
+            r.reasons[f"{status}: {reason}"] += 1
+
+
 def run_compiled_autograd(op_names=None, dtypes=("float64",), max_samples=2, log=None):
     """The compiled-autograd mode: {node class: ClassResult} over the samples' whole backwards.
 
@@ -105,46 +131,32 @@ def run_compiled_autograd(op_names=None, dtypes=("float64",), max_samples=2, log
     reset_compiled_autograd_kernel_stats()
     results: dict[str, ClassResult] = collections.defaultdict(ClassResult)
     for op, label in autograd_ops(op_names):
-        for dname in dtypes:
-            dtype = DTYPES[dname]
-            if dtype not in op.supported_dtypes("cpu"):
-                continue
+        for dname, s in _samples(op, dtypes, max_samples):
+            torch.manual_seed(0)
+            leaves = [t for t in _flatten([s.input, list(s.args), s.kwargs])
+                      if isinstance(t, torch.Tensor) and t.requires_grad and t.layout == torch.strided]
             try:
-                samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))[:max_samples]
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    out = op(s.input, *s.args, **s.kwargs)
             except Exception:
                 continue
-            for s in samples:
-                torch.manual_seed(0)
-                leaves = [t for t in _flatten([s.input, list(s.args), s.kwargs])
-                          if isinstance(t, torch.Tensor) and t.requires_grad and t.layout == torch.strided]
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        out = op(s.input, *s.args, **s.kwargs)
-                except Exception:
-                    continue
-                outs = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
-                        and t.layout == torch.strided and (t.dtype.is_floating_point or t.dtype.is_complex)]
-                if not outs or not leaves:
-                    continue
-                names = {type(n).__name__ for n in walk([o.grad_fn for o in outs])} - {"AccumulateGrad"}
-                gen = torch.Generator().manual_seed(0)
-                gos = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs]
-                if names & set(INTENDED_DIFFERENCES):
-                    status, reason = OVERRIDDEN, "the graph holds " + ", ".join(sorted(names & set(INTENDED_DIFFERENCES)))
-                else:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        status, reason = compare_ca(outs, leaves, gos)
-                for name in names:
-                    r = results[name]
-                    r.tried += 1
-                    r.ops.add(label)
-                    r.counts[status] += 1
-                    if reason:
-                        r.reasons[f"{status}: {reason}"] += 1
-                if log and status in (MISMATCHED, RAISED):
-                    log(f"{status:10} {label} {dname}: {reason}")
+            outs = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+                    and t.layout == torch.strided and (t.dtype.is_floating_point or t.dtype.is_complex)]
+            if not outs or not leaves:
+                continue
+            names = {type(n).__name__ for n in walk([o.grad_fn for o in outs])} - {"AccumulateGrad"}
+            gen = torch.Generator().manual_seed(0)
+            gos = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs]
+            if names & set(INTENDED_DIFFERENCES):
+                status, reason = OVERRIDDEN, "the graph holds " + ", ".join(sorted(names & set(INTENDED_DIFFERENCES)))
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    status, reason = compare_ca(outs, leaves, gos)
+            _record(results, names, label, status, reason)
+            if log and status in (MISMATCHED, RAISED):
+                log(f"{status:10} {label} {dname}: {reason}")
     torch._C._dynamo.compiled_autograd.clear_cache()
     return dict(results), compiled_autograd_kernel_stats()
 
@@ -321,44 +333,30 @@ def run_higher_order(op_names=None, dtypes=("float64",), max_samples=1, third_or
     orders = collections.Counter()
     for op, label in autograd_ops(op_names):
         third = third_order_ops is None or label in third_order_ops or op.name in third_order_ops
-        for dname in dtypes:
-            dtype = DTYPES[dname]
-            if dtype not in op.supported_dtypes("cpu"):
-                continue
+        for dname, s in _samples(op, dtypes, max_samples):
+            torch.manual_seed(0)
             try:
-                samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))[:max_samples]
+                outs_e, leaves = _ho_sample(op, s)
+                torch.manual_seed(0)
+                outs_v, _ = _ho_sample(op, s)
             except Exception:
                 continue
-            for s in samples:
-                torch.manual_seed(0)
-                try:
-                    outs_e, leaves = _ho_sample(op, s)
-                    torch.manual_seed(0)
-                    outs_v, _ = _ho_sample(op, s)
-                except Exception:
-                    continue
-                if not outs_e or not leaves:
-                    continue
-                names = {type(n).__name__ for n in walk([o.grad_fn for o in outs_e])} - {"AccumulateGrad"}
-                gen = torch.Generator().manual_seed(0)
-                if names & set(INTENDED_DIFFERENCES):
-                    status, reason, k = OVERRIDDEN, "the graph holds " + ", ".join(
-                        sorted(names & set(INTENDED_DIFFERENCES))), 0
-                else:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        status, reason, k = check_higher_order(outs_e, outs_v, leaves, leaves, gen, third, backend)
-                    rt.clear_cache()
-                orders[k] += 1
-                for name in names:
-                    r = results[name]
-                    r.tried += 1
-                    r.ops.add(label)
-                    r.counts[status] += 1
-                    if reason:
-                        r.reasons[f"{status}: {reason}"] += 1
-                if log and status in (MISMATCHED, RAISED, FALLBACK):
-                    log(f"{status:10} {label} {dname}: {reason}")
+            if not outs_e or not leaves:
+                continue
+            names = {type(n).__name__ for n in walk([o.grad_fn for o in outs_e])} - {"AccumulateGrad"}
+            gen = torch.Generator().manual_seed(0)
+            if names & set(INTENDED_DIFFERENCES):
+                status, reason, k = OVERRIDDEN, "the graph holds " + ", ".join(
+                    sorted(names & set(INTENDED_DIFFERENCES))), 0
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    status, reason, k = check_higher_order(outs_e, outs_v, leaves, leaves, gen, third, backend)
+                rt.clear_cache()
+            orders[k] += 1
+            _record(results, names, label, status, reason)
+            if log and status in (MISMATCHED, RAISED, FALLBACK):
+                log(f"{status:10} {label} {dname}: {reason}")
     return dict(results), {"orders": orders}
 
 
