@@ -30,14 +30,39 @@ def _default_get_module(name: str):
     return get_module(name)
 
 
+# Node classes whose generated formula is known to differ from torch's on some releases (found by
+# the edge-value run of that release's check) and that run as torch's live node there until ported:
+# class -> (releases, why). Never a silently wrong gradient while a port is unfinished.
+KNOWN_DIFFERENT = {
+    "LinalgPolarBackward0": (">=2.14", "NaN at rank-deficient or tied inputs where torch's node is finite (2.15 edge-value run)"),
+    "LinalgMatrixSqrthBackward0": (">=2.14", "NaN at rank-deficient or tied inputs where torch's node is finite (2.15 edge-value run)"),
+}
+_known_live = None
+
+
+def known_different() -> dict:
+    """The classes of :data:`KNOWN_DIFFERENT` that apply to the installed torch: class -> why."""
+    global _known_live
+    if _known_live is None:
+        from vjpgen.codegen.environment import installed_torch_version
+        from vjpgen.runtime.helpers.registry import VersionRange, parse_version
+
+        v = parse_version(installed_torch_version())
+        _known_live = {n: why for n, (rng, why) in KNOWN_DIFFERENT.items() if v in VersionRange.parse(rng)}
+    return _known_live
+
+
 def get_module(name: str):
     """The module for backward node class ``name``: the override package's when it defines the
-    class, else the default package's (None when neither has one)."""
+    class, else the default package's (None when neither has one, and for a class of
+    :data:`KNOWN_DIFFERENT` on the releases it names: that node runs live)."""
     ov = _override
     if ov is not None:
         m = ov.get_module(name)
         if m is not None:
             return m
+    if name in known_different():
+        return None
     return _default_get_module(name)
 
 

@@ -112,3 +112,19 @@ def test_overlay_needs_an_out_folder(capsys):
 
     assert main(["generate", "--overlay", str(REPO / "examples" / "ste_round.yaml")]) == 2
     assert "pass --out DIR" in capsys.readouterr().err
+
+
+def test_known_different_classes_run_live_on_their_releases(monkeypatch):
+    """A class whose formula a release's edge-value run found different is served no module there
+    (the runtime and compiled autograd then run torch's node), and is untouched elsewhere."""
+    from vjpgen.runtime import kernels
+
+    monkeypatch.setattr(kernels, "_known_live", None)
+    monkeypatch.setattr(kernels, "KNOWN_DIFFERENT", {"MulBackward0": (">=2.14", "test")})
+    monkeypatch.setattr("vjpgen.codegen.environment.installed_torch_version", lambda: "2.15.0")
+    assert kernels.get_module("MulBackward0") is None
+    assert kernels.get_module("AddBackward0") is not None
+    monkeypatch.setattr(kernels, "_known_live", None)
+    monkeypatch.setattr("vjpgen.codegen.environment.installed_torch_version", lambda: "2.13.0")
+    assert kernels.get_module("MulBackward0") is not None
+    monkeypatch.setattr(kernels, "_known_live", None)
