@@ -11,7 +11,6 @@ classes FILE defines) and is selected with :class:`use_kernels` — a call or a 
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import sys
 import threading
@@ -82,8 +81,6 @@ def on_change(fn) -> None:
 
 
 def _load(path) -> object:
-    from vjpgen.codegen.environment import installed_torch_version
-
     p = Path(path).resolve()
     init = p / "__init__.py"
     if not init.is_file():
@@ -98,26 +95,29 @@ def _load(path) -> object:
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(p)])
     pkg = importlib.util.module_from_spec(spec)
     sys.modules[name] = pkg
-    try:
+    try:  # a package that fails to load or to qualify leaves nothing behind in sys.modules
         spec.loader.exec_module(pkg)
+        _check(pkg, path)
     except Exception:
         del sys.modules[name]
         raise
-    if not getattr(pkg, "OVERRIDES", False):
-        del sys.modules[name]
-        raise ValueError(
-            f"vjpgen: use_kernels({str(path)!r}): not an override package (generated without --overlay); "
-            f"regenerate it with `python -m vjpgen generate --overlay FILE --out {path}`"
-        )
-    version = installed_torch_version()
-    if pkg.TORCH_VERSION != version:
-        del sys.modules[name]
-        raise ValueError(
-            f"vjpgen: use_kernels({str(path)!r}): generated for torch {pkg.TORCH_VERSION}, the installed torch is "
-            f"{version}; regenerate it with `python -m vjpgen generate --overlay FILE --out {path}`"
-        )
     _by_path[p] = pkg
     return pkg
+
+
+def _check(pkg, path) -> None:
+    """Raise ValueError unless ``pkg`` is an override package generated for the installed torch."""
+    from vjpgen.codegen.environment import installed_torch_version
+
+    regen = f"regenerate it with `python -m vjpgen generate --overlay FILE --out {path}`"
+    if not getattr(pkg, "OVERRIDES", False):
+        raise ValueError(f"vjpgen: use_kernels({str(path)!r}): not an override package (generated without --overlay); {regen}")
+    version = installed_torch_version()
+    if pkg.TORCH_VERSION != version:
+        raise ValueError(
+            f"vjpgen: use_kernels({str(path)!r}): generated for torch {pkg.TORCH_VERSION}, the installed torch is "
+            f"{version}; {regen}"
+        )
 
 
 def _select(pkg) -> None:
