@@ -322,10 +322,8 @@ def backward(
             raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
     if retain_graph is None:
         retain_graph = create_graph
-    if create_graph:  # compiled as differentiable graphs: runtime/higher_order.py
-        _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None, True)
-        return None
-    _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None)
+    # (create_graph: compiled as differentiable graphs, runtime/higher_order.py)
+    _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None, bool(create_graph))
     return None
 
 
@@ -356,9 +354,8 @@ def grad(
         allow_unused = False
     if retain_graph is None:
         retain_graph = create_graph
-    if create_graph:  # compiled as differentiable graphs: runtime/higher_order.py
-        return _run(outs, grad_outputs, ins, retain_graph, backend, False, allow_unused, True)
-    return _run(outs, grad_outputs, ins, retain_graph, backend, False, allow_unused)
+    # (create_graph: compiled as differentiable graphs, runtime/higher_order.py)
+    return _run(outs, grad_outputs, ins, retain_graph, backend, False, allow_unused, bool(create_graph))
 
 
 _grad_body = grad.__wrapped__
