@@ -28,7 +28,7 @@ import torch
 from . import capture, decide, fastpath, native
 from . import saved as _saved
 from .cache import Compiled, find, make_guard
-from .call_context import CallContext  # noqa: F401 - the API builds it through engine
+from .call_context import CallContext
 from .leaves import accumulate_leaves
 from .live import _run_live, _run_live_leaves
 from .plan import Plan, Region, _partition

@@ -17,7 +17,7 @@ A new plan marks the nodes with sparse saved values or a sparse layout-read leaf
 call (:func:`plan_reasons`). On later calls the first three are seen in the tensors a region
 flattens: dynamo's tensor guards of a compiled graph check dispatch keys, so a sparse tensor where
 a dense one was compiled misses the cache and reaches the general path, which calls
-:func:`live_reasons` before it traces. Marking is sticky: a later call of the same structure with
+:func:`vjpgen.runtime.decide.region_reasons` before it traces. Marking is sticky: a later call of the same structure with
 dense tensors still runs that node live (the same grads, only not compiled).
 """
 
@@ -146,16 +146,6 @@ def plan_reasons(plan, nodes) -> dict:
             r = node_reason(plan, i, nodes, None)
             if r is not None:
                 out[i] = r
-    return out
-
-
-def live_reasons(region, plan, nodes, buf) -> dict:
-    """Node index -> reason, for the nodes of ``region`` that must run live on this call."""
-    out = {}
-    for i in region.nodes:
-        r = node_reason(plan, i, nodes, buf)
-        if r is not None:
-            out[i] = r
     return out
 
 
