@@ -272,6 +272,21 @@ def _vjp_pyfn(pyfn, n: int, k: int, mask: tuple):
     return vjp
 
 
+def _engine_will_execute(node) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf that torch.autograd.grad captures: its grad is wanted
+        return True
+
+
+def _engine_mask(ctx, mask: tuple) -> tuple:
+    """``mask`` narrowed to the inputs whose grad the running backward will use, as an eager node
+    asks ``task_should_compute_output``: a grad that only flows to an input nobody asked for is
+    not computed (its kernel may raise where eager, which never runs it, does not)."""
+    nf = ctx.next_functions  # one edge per tensor input, in order
+    return tuple(m and nf[j][0] is not None and _engine_will_execute(nf[j][0]) for j, m in enumerate(mask))
+
+
 class _DiffFn(torch.autograd.Function):
     """One call of a :class:`DiffGraph` as a node of the autograd graph."""
 
@@ -298,7 +313,9 @@ class _DiffFn(torch.autograd.Function):
         dg = ctx.dg
         ints = ctx.ints
         tensors = list(ctx.saved_tensors)
-        mask = tuple(ctx.needs_input_grad[3:])
+        mask = _engine_mask(ctx, tuple(ctx.needs_input_grad[3:]))
+        if not any(mask):
+            return (None, None, None, *([None] * len(tensors)))
         cts = [c.contiguous() for c in cts]  # the vjp graph was traced with contiguous cotangents
         vjp = dg.vjp_for(mask, tensors, ints, ctx.all_ints)
         if vjp is _EAGER:
@@ -344,6 +361,10 @@ class DiffFnModule:
             for g, (shape, dt, dev) in zip(grads, outs)
         ]
         _count("traced_vjps", fam.order + 1)
+        # only the grads this backward uses, as eager's node computes only those
+        mask = tuple(m and n for m, n in zip(mask, needs_input_grad))
+        if not any(mask):
+            return [None] * len(needs_input_grad)
         gs = _vjp_pyfn(fam.pyfn, fam.n_tensors, fam.n_ints, mask)(*tensors, *cts, *ints)
         res = []
         k = 0
