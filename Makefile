@@ -23,8 +23,11 @@ generate: $(STAMP)
 check-generated: $(STAMP)
 	$(PY) -m vjpgen check
 
+# two xdist workers (this machine has 2 cores), a test file per unit (its module-scoped fixtures
+# run once), the slowest files first (tests/conftest.py). TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # make test-torch TORCH=2.15.0 (any release; a ported one must pass): a throwaway venv under /tmp
 # with that torch from the package index (a CUDA build on Linux, ~5 GB), vjpgen installed into it

@@ -19,10 +19,31 @@ def _cold_inductor_cache(tmp_path_factory):
     """One empty Inductor cache for the session: a cache entry compiled by an older vjpgen (whose
     extern-op lowering or passes Inductor's cache key cannot see) never stands in for what this
     code compiles. Subprocesses inherit it through the environment."""
-    from torch._inductor.utils import fresh_cache
+    import os
 
-    with fresh_cache(dir=str(tmp_path_factory.mktemp("inductor"))):
+    from torch._inductor.utils import clear_caches, fresh_cache
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        with fresh_cache(dir=str(tmp_path_factory.mktemp("inductor"))):
+            yield
+        return
+    # under xdist the workers share one empty cache (the parent of their base temps is this run's
+    # own folder): a kernel one worker compiled is not compiled again by the other. Inductor's
+    # cache is written atomically and locked, for concurrent compile processes.
+    path = tmp_path_factory.getbasetemp().parent / "inductor-cache"
+    path.mkdir(exist_ok=True)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(path), "TRITON_CACHE_DIR": str(path / "triton")}
+    old = {k: os.environ.get(k) for k in env}
+    clear_caches()
+    os.environ.update(env)
+    try:
         yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @pytest.fixture(autouse=True)

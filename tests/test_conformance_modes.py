@@ -1,0 +1,109 @@
+"""The conformance harness's other modes, fast slices (``make coverage`` runs them over every
+OpInfo): edge values against the live C++ node, and vjpgen's create_graph backward against eager's
+double and triple backward. Apart from tests/test_conformance.py so that `make test`'s two xdist
+workers (--dist loadfile) can run them beside its all-of-op_db fixture.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conformance import MISMATCHED, PASSED, RAISED, summarize
+from vjpgen.runtime.verify import ALLOWED
+
+
+# --------------------------------------------------------------------------------------------
+# the edge-value run (``make coverage`` runs it over every OpInfo): a fast slice of ops whose
+# formulas branch on values, in the dtypes where ports diverged before
+
+EDGE_OPS = (
+    "det", "linalg.det", "linalg.slogdet", "linalg.inv", "linalg.solve", "linalg.svd", "linalg.eigh",
+    "atan2", "angle", "sgn", "abs", "addcdiv", "div", "pow", "sqrt", "rsqrt", "log", "prod",
+    "max", "min", "amax", "sort", "median", "kthvalue", "cummax", "round", "frac", "fmod",
+    "linalg.vector_norm", "norm", "logsumexp", "clamp", "where", "hypot", "copysign",
+)
+EDGE_DTYPES = ("float64", "complex128", "complex64", "float16")
+
+
+@pytest.fixture(scope="module")
+def edge_results():
+    from tests.conformance import run_edges
+
+    res, _ = run_edges(EDGE_OPS, dtypes=EDGE_DTYPES, max_samples=2)
+    print(summarize(res))
+    return res
+
+
+@pytest.mark.timeout(300)
+def test_edge_values_no_mismatch_against_the_live_node(edge_results):
+    bad = [
+        f"{name}: {reason} (x{n})"
+        for name, r in sorted(edge_results.items())
+        for reason, n in r.reasons.items()
+        if reason.startswith(MISMATCHED)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_edge_values_no_unexpected_errors(edge_results):
+    bad = [
+        f"{name}: {reason} (x{n})"
+        for name, r in sorted(edge_results.items())
+        for reason, n in r.reasons.items()
+        if reason.startswith(RAISED) and not ALLOWED.search(reason)
+    ]
+    assert not bad, "\n".join(bad)
+    assert summarize(edge_results)["node_checks"] > 1000
+
+
+# --------------------------------------------------------------------------------------------
+# the higher-order mode (``make coverage`` runs it over every OpInfo): vjpgen's create_graph
+# backward differentiated again (and a third time) against eager's double / triple backward. The
+# guard against kernels that detach, use no_grad or write in place: right at first order, wrong
+# at second.
+
+HO_OPS = (
+    "mul", "mm", "addmm", "tanh", "sigmoid", "exp", "log", "sqrt", "pow", "div", "sum", "mean", "prod",
+    "nn.functional.gelu", "nn.functional.silu", "nn.functional.softmax", "nn.functional.layer_norm",
+    "nn.functional.mse_loss", "nn.functional.linear", "cdist", "linalg.vector_norm", "where", "clamp",
+    "cumsum", "gather", "expand", "transpose", "cat", "atan2", "matmul",
+)
+
+
+@pytest.mark.timeout(600)
+def test_higher_order_mode_slice():
+    from tests.conformance import FALLBACK, run_higher_order
+
+    res, info = run_higher_order(HO_OPS, max_samples=1, third_order_ops=None)
+    bad = [f"{n}: {r.reasons.most_common(1)}" for n, r in sorted(res.items())
+           if r.counts[MISMATCHED] or r.counts[RAISED] or r.counts[FALLBACK]]
+    assert not bad, "\n".join(bad)
+    assert len(res) >= 25, sorted(res)
+    assert sum(r.counts[PASSED] for r in res.values()) > 30
+    assert info["orders"][3] >= 10, info  # the third-order slice was really reached
+
+
+def test_higher_order_mode_catches_a_kernel_that_detaches(monkeypatch):
+    """A tanh kernel that is right at first order but detaches its saved result is a mismatch at
+    order 2: the mode compares, it does not fall back to eager silently."""
+    import vjpgen.runtime as rt
+    from tests.conformance import run_higher_order
+    from vjpgen.runtime import plan as plan_mod
+
+    real = plan_mod._get_module
+
+    class Detaching:
+        def __init__(self, m):
+            self.m = m
+
+        def __getattr__(self, k):
+            return getattr(self.m, k)
+
+        def apply_functional(self, grads, nig, *saved):
+            return self.m.apply_functional(grads, nig, *[s.detach() for s in saved])
+
+    monkeypatch.setattr(plan_mod, "_get_module",
+                        lambda name: Detaching(real(name)) if name == "TanhBackward0" else real(name))
+    rt.clear_cache()
+    res, _ = run_higher_order(["tanh"], max_samples=1)
+    assert res["TanhBackward0"].counts[MISMATCHED] >= 1, res["TanhBackward0"].reasons
