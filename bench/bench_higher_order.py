@@ -197,8 +197,14 @@ def phases(step, args, params, reps, ctx=None) -> dict:
     return {k: v[best] for k, v in res.items()}
 
 
-def jax_forcefield(sizes, reps):
-    """The force-field step in JAX under jax.jit(jax.grad(loss)) (None when jax is missing)."""
+def jax_forcefield(sizes, reps, threads=1):
+    """The force-field step in JAX under jax.jit(jax.grad(loss)) (None when jax is missing), on
+    ``threads`` threads like torch (XLA's CPU flags, set before jax is first imported)."""
+    if threads == 1 and "jax" not in sys.modules:
+        import os
+
+        flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
     try:
         import jax
         import jax.numpy as jnp
@@ -300,7 +306,12 @@ def report(rows, jax_ms, backend, threads, reps) -> str:
                 f"{v['rest']:.2f} / {e['rest']:.2f} ms: {e['rest'] / r['eager_ms']:.0%} of eager's step is "
                 "left to eager, which alone bounds the ratio from below")
         if r["name"] == "forcefield":
-            parts.append("JAX: " + (f"{jax_ms:.2f} ms" if jax_ms else "not measured (jax not importable here)"))
+            if jax_ms:
+                vs = r["vjpgen_ms"] / jax_ms
+                parts.append(f"JAX jit(grad) {jax_ms:.2f} ms: vjpgen {vs:.2f}x JAX's step "
+                             f"({'met' if vs < 1 else f'missed by {vs - 1:.2f}x'})")
+            else:
+                parts.append("JAX: not measured (jax not importable here)")
         lines.append(f"- **{r['name']}**: " + "; ".join(parts) + ".")
     return "\n".join(lines) + "\n"
 
@@ -328,7 +339,7 @@ def main(argv=None) -> int:
         if r["max_diff"] > 1e-4 or r["fallbacks"]:
             print(f"{name}: grads differ from eager or fell back", file=sys.stderr)
             return 1
-    jax_ms = None if a.smoke or "forcefield" not in a.workloads else jax_forcefield(sizes["forcefield"], reps)
+    jax_ms = None if a.smoke or "forcefield" not in a.workloads else jax_forcefield(sizes["forcefield"], reps, a.threads)
     text = report(rows, jax_ms, backend, a.threads, reps)
     print(text)
     if a.smoke:  # the --smoke convention (bench/smoke.py): every stage timer of every workload
