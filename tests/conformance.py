@@ -51,6 +51,7 @@ from vjpgen.runtime.verify import (  # noqa: F401 - the harness core, shared wit
     check_node,
     check_sample,
     run,
+    sample_inputs,
     walk,
 )
 from vjpgen.runtime.verify import (  # noqa: F401 - the edge-value run, also the verify pass of an unported release
@@ -102,7 +103,7 @@ def _samples(op, dtypes, max_samples):
         if dtype not in op.supported_dtypes("cpu"):
             continue
         try:
-            samples = list(op.sample_inputs("cpu", dtype, requires_grad=True))[:max_samples]
+            samples = sample_inputs(op, dtype)[:max_samples]
         except Exception:
             continue
         for s in samples:
