@@ -20,9 +20,12 @@
 // saved_value(node, name): a saved value of a generated node that torch gives Python no getter
 // for (TensorGeometry, optional<bool>), read from the node struct (see "saved state" below).
 // saved_hook_key(node): whether the node's saved tensors have hooks (the walk returns it per node).
+// Gather(ops, n_tensors)(nodes, metas, buf): a region's inputs (T, I) read from the live nodes by a
+// program fastpath.py builds once per region and static part (see "Native gather" below).
 // Built on first use by vjpgen/runtime/native.py with torch.utils.cpp_extension.
 
 #include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/engine.h>
@@ -38,6 +41,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -113,7 +117,9 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 namespace G = torch::autograd::generated;
 
-enum Kind { kSaved, kSavedList, kGeometry, kOptBool };
+// kScalar..kDouble: the plain saved values the native gather reads (at::Scalar, int64_t,
+// c10::SymInt, std::vector<c10::SymInt>, std::vector<int64_t>, bool, double)
+enum Kind { kSaved, kSavedList, kGeometry, kOptBool, kScalar, kInt, kSymInt, kSymIntList, kIntList, kBool, kDouble };
 
 struct Field {
   const char* name;
@@ -122,6 +128,13 @@ struct Field {
   std::vector<SavedVariable> Node::*saved_list = nullptr;
   at::TensorGeometry Node::*geometry = nullptr;
   std::optional<bool> Node::*opt_bool = nullptr;
+  at::Scalar Node::*scalar = nullptr;
+  int64_t Node::*int64 = nullptr;
+  c10::SymInt Node::*symint = nullptr;
+  std::vector<c10::SymInt> Node::*symint_list = nullptr;
+  std::vector<int64_t> Node::*int_list = nullptr;
+  bool Node::*boolean = nullptr;
+  double Node::*real = nullptr;
 };
 
 struct ClassFields {
@@ -150,6 +163,15 @@ inline Field opt_bool_field(const char* n, std::optional<bool> Node::*m) {
   return f;
 }
 
+#define VJPGEN_PLAIN(K, T, member, C, f) \
+  ([] { Field x{#f, K}; x.member = static_cast<T Node::*>(&G::C::f); return x; }())
+#define VJPGEN_SCALAR(C, f) VJPGEN_PLAIN(kScalar, at::Scalar, scalar, C, f)
+#define VJPGEN_INT(C, f) VJPGEN_PLAIN(kInt, int64_t, int64, C, f)
+#define VJPGEN_SYMINT(C, f) VJPGEN_PLAIN(kSymInt, c10::SymInt, symint, C, f)
+#define VJPGEN_SYMINT_LIST(C, f) VJPGEN_PLAIN(kSymIntList, std::vector<c10::SymInt>, symint_list, C, f)
+#define VJPGEN_INT_LIST(C, f) VJPGEN_PLAIN(kIntList, std::vector<int64_t>, int_list, C, f)
+#define VJPGEN_BOOL(C, f) VJPGEN_PLAIN(kBool, bool, boolean, C, f)
+#define VJPGEN_DOUBLE(C, f) VJPGEN_PLAIN(kDouble, double, real, C, f)
 #define VJPGEN_SAVED(C, f) saved_field(#f, static_cast<SavedVariable Node::*>(&G::C::f))
 #define VJPGEN_SAVED_LIST(C, f) \
   saved_list_field(#f, static_cast<std::vector<SavedVariable> Node::*>(&G::C::f))
@@ -168,6 +190,14 @@ const std::vector<ClassFields>& table() {
 #undef VJPGEN_SAVED_LIST
 #undef VJPGEN_GEOMETRY
 #undef VJPGEN_OPT_BOOL
+#undef VJPGEN_PLAIN
+#undef VJPGEN_SCALAR
+#undef VJPGEN_INT
+#undef VJPGEN_SYMINT
+#undef VJPGEN_SYMINT_LIST
+#undef VJPGEN_INT_LIST
+#undef VJPGEN_BOOL
+#undef VJPGEN_DOUBLE
 #undef VJPGEN_CLASS
 
 // What the table knows of a node's C++ class: its fields (nullptr: not a generated node with saved
@@ -316,6 +346,455 @@ int64_t saved_hook_key_py(pybind11::handle node) {
 }
 
 }  // namespace saved_state
+
+// ---------------------------------------------------------------------------------------------
+// Native gather: a region's inputs read from the live nodes in one call, by a program that
+// vjpgen.runtime.fastpath builds once per region and static part S (see native_gather in
+// fastpath.py). It hands back the same (T, I) the region's specialized Python gather does, or None
+// wherever that one would (then the Python gather runs, and after it the general path). Ops:
+//   ("grad", slot, None) / ("grad", slot, type, pos): buf[slot] is None / a tensor of exactly
+//       `type`, at position pos of T (pos == len(T): appended; else it must be T[pos] itself)
+//   ("node", i, node): the node whose saved values follow is nodes[i], of node's C++ class
+//   ("saved", field, type, pos) / ("saved_none", field): the SavedVariable `field` of that node
+//       (the saved-state table above), unpacked as its Python getter does: a tensor as in "grad" /
+//       undefined. A saved variable with hooks is never unpacked here: the program returns None
+//       and the Python path runs them (once per call, inside the graph task).
+//   ("dtype", edge, dtype or None): the dtype of the input metadata behind the node's edge (None:
+//       an invalid edge), as the generated get_saved reads `_state.dtype_of(meta)`
+//   ("out", d, nr, dtype, device, ndim): input nr of nodes[d] has this dtype, device and rank
+//       (plain metadata: not nested, no subclass, no symbolic size); its sizes are appended to I
+//   ("py", fn): fn(nodes, metas, buf, T, I) is True (a node the program cannot read natively)
+// and at the end the tensors of T are distinct objects (no new aliasing), len(T) == n_tensors.
+namespace native_gather {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+
+enum OpKind { kGradNone, kGradTensor, kNode, kSavedTensor, kSavedNone, kMetaDtype, kOut, kPy, kValue };
+
+// how a plain saved value is expected to read in Python (the type its getter returns)
+enum ValueType { vInt, vFloat, vBool, vInts };
+
+struct Op {
+  OpKind kind;
+  int64_t a = 0;  // slot, node index, edge, d
+  int64_t b = 0;  // position in T, nr
+  const saved_state::Field* field = nullptr;
+  PyObject* obj = nullptr;  // the tensor type, or the Python part (borrowed from Program::keep)
+  const std::type_info* cls = nullptr;
+  int scalar = -1;  // a ScalarType, -1 for None
+  c10::Device device{c10::kCPU};
+  int64_t ndim = 0;
+  // kValue: sym: its ints are appended to I (sizes), else compared with `ints` / `real`;
+  // as_unsigned: read as torch's getter does without _state.signed (int64 as unsigned)
+  ValueType vtype = vInt;
+  bool sym = false;
+  bool as_unsigned = false;
+  std::vector<int64_t> ints;
+  double real = 0;
+};
+
+int scalar_of(pybind11::handle o) {
+  if (o.is_none()) {
+    return -1;
+  }
+  if (!THPDtype_Check(o.ptr())) {
+    throw pybind11::type_error("vjpgen native.Gather: expected a torch.dtype or None");
+  }
+  return static_cast<int>(reinterpret_cast<THPDtype*>(o.ptr())->scalar_type);
+}
+
+class Program {
+ public:
+  Program(pybind11::list ops, int64_t n_tensors) : n_tensors_(n_tensors) {
+    const saved_state::ClassFields* fields = nullptr;
+    for (auto item : ops) {
+      pybind11::tuple t = pybind11::reinterpret_borrow<pybind11::tuple>(item);
+      std::string k = pybind11::str(t[0]);
+      Op op{kPy};
+      if (k == "grad") {
+        op.a = t[1].cast<int64_t>();
+        if (t[2].is_none()) {
+          op.kind = kGradNone;
+        } else {
+          op.kind = kGradTensor;
+          op.obj = keep(t[2]);
+          op.b = t[3].cast<int64_t>();
+        }
+      } else if (k == "node") {
+        op.kind = kNode;
+        op.a = t[1].cast<int64_t>();
+        auto fn = node_of(t[2].ptr());
+        if (!fn) {
+          throw pybind11::type_error("vjpgen native.Gather: expected an autograd node");
+        }
+        op.cls = &typeid(*fn);
+        fields = saved_state::class_info(fn.get(), t[2].ptr()).fields;
+      } else if (k == "saved" || k == "saved_none") {
+        std::string name = pybind11::str(t[1]);
+        if (fields != nullptr) {
+          for (const auto& f : fields->fields) {
+            if (f.kind == saved_state::kSaved && name == f.name) {
+              op.field = &f;
+            }
+          }
+        }
+        if (op.field == nullptr) {
+          throw pybind11::key_error(name);
+        }
+        if (k == "saved") {
+          op.kind = kSavedTensor;
+          op.obj = keep(t[2]);
+          op.b = t[3].cast<int64_t>();
+        } else {
+          op.kind = kSavedNone;
+        }
+      } else if (k == "dtype") {
+        op.kind = kMetaDtype;
+        op.a = t[1].cast<int64_t>();
+        op.scalar = scalar_of(t[2]);
+      } else if (k == "out") {
+        op.kind = kOut;
+        op.a = t[1].cast<int64_t>();
+        op.b = t[2].cast<int64_t>();
+        op.scalar = scalar_of(t[3]);
+        if (op.scalar < 0 || !THPDevice_Check(t[4].ptr())) {
+          throw pybind11::type_error("vjpgen native.Gather: an out op needs a dtype and a device");
+        }
+        op.device = reinterpret_cast<THPDevice*>(t[4].ptr())->device;
+        op.ndim = t[5].cast<int64_t>();
+      } else if (k == "value") {
+        // ("value", field, signed, sym, expected): a plain saved value (see Kind kScalar..kDouble)
+        op.kind = kValue;
+        std::string name = pybind11::str(t[1]);
+        if (fields != nullptr) {
+          for (const auto& f : fields->fields) {
+            if (f.kind >= saved_state::kScalar && name == f.name) {
+              op.field = &f;
+            }
+          }
+        }
+        if (op.field == nullptr) {
+          throw pybind11::key_error(name);
+        }
+        op.as_unsigned = !t[2].cast<bool>();
+        op.sym = t[3].cast<bool>();
+        pybind11::handle v = t[4];
+        auto fk = op.field->kind;
+        if (fk == saved_state::kSymIntList || fk == saved_state::kIntList) {
+          if (!PyTuple_Check(v.ptr())) {
+            throw pybind11::type_error("vjpgen native.Gather: a list value read as a tuple expected");
+          }
+          op.vtype = vInts;
+          for (auto x : v) {
+            op.ints.push_back(x.cast<int64_t>());
+          }
+          op.ndim = static_cast<int64_t>(op.ints.size());
+        } else if (PyBool_Check(v.ptr())) {
+          op.vtype = vBool;
+          op.ints.push_back(v.ptr() == Py_True ? 1 : 0);
+        } else if (PyLong_CheckExact(v.ptr())) {
+          op.vtype = vInt;
+          op.ints.push_back(v.cast<int64_t>());
+        } else if (PyFloat_CheckExact(v.ptr())) {
+          op.vtype = vFloat;
+          op.real = v.cast<double>();
+        } else {
+          throw pybind11::type_error("vjpgen native.Gather: an int, float, bool or tuple of ints expected");
+        }
+        if (op.sym && op.vtype != vInts && op.vtype != vInt) {
+          throw pybind11::type_error("vjpgen native.Gather: only ints are sizes");
+        }
+      } else if (k == "py") {
+        op.kind = kPy;
+        op.obj = keep(t[1]);
+      } else {
+        throw pybind11::value_error("vjpgen native.Gather: unknown op " + k);
+      }
+      ops_.push_back(op);
+    }
+  }
+
+  // (T, I) or None; see the comment above the namespace
+  pybind11::object run(pybind11::handle nodes, pybind11::handle metas, pybind11::handle buf) {
+    if (!PyList_Check(nodes.ptr()) || !PyList_Check(buf.ptr())) {
+      return pybind11::none();
+    }
+    PyObject* nl = nodes.ptr();
+    PyObject* bl = buf.ptr();
+    const Py_ssize_t n_nodes = PyList_GET_SIZE(nl);
+    pybind11::list T;
+    pybind11::list I;
+    PyObject* tl = T.ptr();
+    PyObject* il = I.ptr();
+    NodeRef cur;
+    for (const Op& op : ops_) {
+      switch (op.kind) {
+        case kGradNone: {
+          if (op.a >= PyList_GET_SIZE(bl) || PyList_GET_ITEM(bl, op.a) != Py_None) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kGradTensor: {
+          if (op.a >= PyList_GET_SIZE(bl)) {
+            return pybind11::none();
+          }
+          PyObject* v = PyList_GET_ITEM(bl, op.a);
+          if (reinterpret_cast<PyObject*>(Py_TYPE(v)) != op.obj || !add_tensor(tl, v, op.b)) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kNode: {
+          if (op.a >= n_nodes) {
+            return pybind11::none();
+          }
+          cur = node_of(PyList_GET_ITEM(nl, op.a));
+          if (!cur || typeid(*cur) != *op.cls) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kSavedTensor:
+        case kSavedNone: {
+          if (!cur) {
+            return pybind11::none();
+          }
+          const SavedVariable& sv = cur.get()->*(op.field->saved);
+          if (sv.has_hooks()) {  // the Python path runs the hooks (once per call)
+            return pybind11::none();
+          }
+          at::Tensor t;
+          try {
+            t = sv.unpack(cur);
+          } catch (const std::exception&) {  // e.g. freed or modified in place: the general path says so
+            return pybind11::none();
+          }
+          if (op.kind == kSavedNone) {
+            if (t.defined()) {
+              return pybind11::none();
+            }
+            break;
+          }
+          if (!t.defined()) {
+            return pybind11::none();
+          }
+          PyObject* w = THPVariable_Wrap(std::move(t));
+          if (w == nullptr) {
+            throw pybind11::error_already_set();
+          }
+          pybind11::object wo = pybind11::reinterpret_steal<pybind11::object>(w);
+          if (reinterpret_cast<PyObject*>(Py_TYPE(w)) != op.obj || !add_tensor(tl, w, op.b)) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kMetaDtype: {
+          if (!cur || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+            return pybind11::none();
+          }
+          const auto& e = cur->next_edge(static_cast<size_t>(op.a));
+          if (!e.is_valid()) {
+            if (op.scalar != -1) {
+              return pybind11::none();
+            }
+            break;
+          }
+          if (e.input_nr >= e.function->num_inputs()) {
+            return pybind11::none();
+          }
+          const auto& md = e.function->input_metadata(e.input_nr);
+          if (md.was_default_constructed() ||
+              static_cast<int>(c10::typeMetaToScalarType(md.dtype())) != op.scalar) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kOut: {
+          if (op.a >= n_nodes) {
+            return pybind11::none();
+          }
+          auto d = node_of(PyList_GET_ITEM(nl, op.a));
+          if (!d || op.b >= static_cast<int64_t>(d->num_inputs())) {
+            return pybind11::none();
+          }
+          const auto& md = d->input_metadata(static_cast<size_t>(op.b));
+          if (md.was_default_constructed() || md.is_nested_tensor() || md.is_tensor_subclass() ||
+              static_cast<int>(c10::typeMetaToScalarType(md.dtype())) != op.scalar ||
+              md.device() != op.device) {
+            return pybind11::none();
+          }
+          auto shape = md.shape_as_dim_vector();
+          if (static_cast<int64_t>(shape.size()) != op.ndim) {
+            return pybind11::none();
+          }
+          for (const auto& s : shape) {
+            if (s.is_heap_allocated()) {
+              return pybind11::none();
+            }
+            PyObject* x = PyLong_FromLongLong(s.as_int_unchecked());
+            if (x == nullptr) {
+              throw pybind11::error_already_set();
+            }
+            int rc = PyList_Append(il, x);
+            Py_DECREF(x);
+            if (rc != 0) {
+              throw pybind11::error_already_set();
+            }
+          }
+          break;
+        }
+        case kValue: {
+          if (!cur || !value(op, cur.get(), il)) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kPy: {
+          PyObject* r = PyObject_CallFunctionObjArgs(op.obj, nl, metas.ptr(), bl, tl, il, nullptr);
+          if (r == nullptr) {  // as the Python gather: an error means "not this specialization"
+            PyErr_Clear();
+            return pybind11::none();
+          }
+          bool ok = r == Py_True;
+          Py_DECREF(r);
+          if (!ok) {
+            return pybind11::none();
+          }
+          break;
+        }
+      }
+    }
+    const Py_ssize_t nT = PyList_GET_SIZE(tl);
+    if (nT != n_tensors_) {
+      return pybind11::none();
+    }
+    if (nT > 1) {  // no new aliasing between the tensors
+      std::vector<PyObject*> ptrs(PyList_GET_SIZE(tl));
+      for (Py_ssize_t k = 0; k < nT; ++k) {
+        ptrs[k] = PyList_GET_ITEM(tl, k);
+      }
+      std::sort(ptrs.begin(), ptrs.end());
+      if (std::adjacent_find(ptrs.begin(), ptrs.end()) != ptrs.end()) {
+        return pybind11::none();
+      }
+    }
+    return pybind11::make_tuple(T, I);
+  }
+
+ private:
+  // one int as I holds it (the getter's unsigned reading unless the generated code signs it)
+  static bool append_int(PyObject* il, const Op& op, int64_t x) {
+    PyObject* o = op.as_unsigned ? PyLong_FromUnsignedLongLong(static_cast<uint64_t>(x)) : PyLong_FromLongLong(x);
+    if (o == nullptr) {
+      throw pybind11::error_already_set();
+    }
+    int rc = PyList_Append(il, o);
+    Py_DECREF(o);
+    if (rc != 0) {
+      throw pybind11::error_already_set();
+    }
+    return true;
+  }
+  // a plain saved value checked (or its ints appended to I); false: not the specialized reading
+  static bool value(const Op& op, Node* fn, PyObject* il) {
+    using saved_state::Kind;
+    const saved_state::Field& f = *op.field;
+    switch (f.kind) {
+      case Kind::kScalar: {
+        const at::Scalar& s = fn->*(f.scalar);
+        if (s.isSymbolic() || s.isComplex()) {
+          return false;
+        }
+        if (s.isFloatingPoint()) {
+          return op.vtype == vFloat && !op.sym && s.to<double>() == op.real;
+        }
+        if (s.isBoolean()) {
+          return op.vtype == vBool && !op.sym && static_cast<int64_t>(s.to<bool>()) == op.ints[0];
+        }
+        if (s.isIntegral(false)) {
+          return op.vtype == vInt && !op.sym && s.to<int64_t>() == op.ints[0];
+        }
+        return false;
+      }
+      case Kind::kInt:
+      case Kind::kSymInt: {
+        int64_t x;
+        if (f.kind == Kind::kInt) {
+          x = fn->*(f.int64);
+        } else {
+          auto m = (fn->*(f.symint)).maybe_as_int();
+          if (!m) {
+            return false;
+          }
+          x = *m;
+        }
+        if (op.vtype != vInt) {
+          return false;
+        }
+        if (op.sym) {
+          return append_int(il, op, x);
+        }
+        return x == op.ints[0];
+      }
+      case Kind::kSymIntList:
+      case Kind::kIntList: {
+        if (op.vtype != vInts) {
+          return false;
+        }
+        size_t n = f.kind == Kind::kIntList ? (fn->*(f.int_list)).size() : (fn->*(f.symint_list)).size();
+        if (static_cast<int64_t>(n) != op.ndim) {
+          return false;
+        }
+        for (size_t k = 0; k < n; ++k) {
+          int64_t x;
+          if (f.kind == Kind::kIntList) {
+            x = (fn->*(f.int_list))[k];
+          } else {
+            auto m = (fn->*(f.symint_list))[k].maybe_as_int();
+            if (!m) {
+              return false;
+            }
+            x = *m;
+          }
+          if (op.sym) {
+            append_int(il, op, x);
+          } else if (x != op.ints[k]) {
+            return false;
+          }
+        }
+        return true;
+      }
+      case Kind::kBool:
+        return op.vtype == vBool && !op.sym && static_cast<int64_t>(fn->*(f.boolean)) == op.ints[0];
+      case Kind::kDouble:
+        return op.vtype == vFloat && !op.sym && fn->*(f.real) == op.real;
+      default:
+        return false;
+    }
+  }
+  PyObject* keep(pybind11::handle o) {
+    keep_.push_back(pybind11::reinterpret_borrow<pybind11::object>(o));
+    return o.ptr();
+  }
+  // v at position pos of T: appended when pos is the next one, else it must be T[pos] itself
+  static bool add_tensor(PyObject* tl, PyObject* v, int64_t pos) {
+    Py_ssize_t n = PyList_GET_SIZE(tl);
+    if (pos == n) {
+      if (PyList_Append(tl, v) != 0) {
+        throw pybind11::error_already_set();
+      }
+      return true;
+    }
+    return pos < n && PyList_GET_ITEM(tl, pos) == v;
+  }
+  std::vector<Op> ops_;
+  std::vector<pybind11::object> keep_;
+  int64_t n_tensors_;
+};
+
+}  // namespace native_gather
 
 // A new reference to the torch.device object of a device (one object per device, kept).
 PyObject* device_object(const c10::Device& d) {
@@ -916,5 +1395,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("node"), pybind11::arg("name"));
   m.def("saved_hook_key", &saved_state::saved_hook_key_py,
         "the unpack hook identity of the node's first saved tensor with hooks, 0 when none has");
+  pybind11::class_<native_gather::Program>(m, "Gather", "a region's native gather program (see fastpath.native_gather)")
+      .def(pybind11::init<pybind11::list, int64_t>(), pybind11::arg("ops"), pybind11::arg("n_tensors"))
+      .def("__call__", &native_gather::Program::run, pybind11::arg("nodes"), pybind11::arg("metas"),
+           pybind11::arg("buf"));
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

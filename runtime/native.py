@@ -97,9 +97,17 @@ _FIELD_KINDS = {
     "::std::optional<bool>": "VJPGEN_OPT_BOOL",
     "std::optional<bool>": "VJPGEN_OPT_BOOL",
     "c10::optional<bool>": "VJPGEN_OPT_BOOL",
+    # the plain saved values the native gather reads (fastpath.native_gather)
+    "at::Scalar": "VJPGEN_SCALAR",
+    "int64_t": "VJPGEN_INT",
+    "c10::SymInt": "VJPGEN_SYMINT",
+    "std::vector<c10::SymInt>": "VJPGEN_SYMINT_LIST",
+    "std::vector<int64_t>": "VJPGEN_INT_LIST",
+    "bool": "VJPGEN_BOOL",
+    "double": "VJPGEN_DOUBLE",
 }
 _STRUCT = re.compile(r"^struct TORCH_API (\w+) : public \w+ \{$")
-_MEMBER = re.compile(r"^  (.+?) (\w+);$")
+_MEMBER = re.compile(r"^  (.+?) (\w+)(?: = [^;]*)?;$")
 
 
 def saved_fields_header(include: Path) -> str:
