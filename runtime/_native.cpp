@@ -205,6 +205,7 @@ const std::vector<ClassFields>& table() {
 struct ClassInfo {
   const ClassFields* fields = nullptr;
   bool py_function = false;
+  std::vector<const Field*> saved;  // the fields' saved tensors (kSaved, kSavedList): the walk reads their hooks
 };
 
 // Looked up by the node's C++ type (typeid of the object: its vtable, no symbol of the class), the
@@ -230,6 +231,11 @@ const ClassInfo& class_info(Node* fn, PyObject* obj) {
     auto nt = by_name.find(fn->name());
     if (nt != by_name.end()) {
       info.fields = nt->second;
+      for (const auto& f : info.fields->fields) {
+        if (f.kind == kSaved || f.kind == kSavedList) {
+          info.saved.push_back(&f);
+        }
+      }
     }
   }
   return by_type.emplace(t, info).first->second;
@@ -270,11 +276,8 @@ int64_t saved_hook_key(Node* fn, PyObject* obj) {
     }
     return 0;
   }
-  const ClassFields* c = info.fields;
-  if (c == nullptr) {
-    return 0;
-  }
-  for (const auto& f : c->fields) {
+  for (const Field* fp : info.saved) {
+    const Field& f = *fp;
     if (f.kind == kSaved) {
       if (int64_t k = hook_key(fn->*(f.saved))) {
         return k;
@@ -382,6 +385,7 @@ struct Op {
   const saved_state::Field* field = nullptr;
   PyObject* obj = nullptr;  // the tensor type, or the Python part (borrowed from Program::keep)
   const std::type_info* cls = nullptr;
+  PyTypeObject* pytype = nullptr;  // kNode, kOut: the Python type of the node object (a THPCppFunction one)
   int scalar = -1;  // a ScalarType, -1 for None
   c10::Device device{c10::kCPU};
   int64_t ndim = 0;
@@ -429,6 +433,9 @@ class Program {
           throw pybind11::type_error("vjpgen native.Gather: expected an autograd node");
         }
         op.cls = &typeid(*fn);
+        if (torch::autograd::THPCppFunction_Check(t[2].ptr())) {
+          op.pytype = Py_TYPE(t[2].ptr());
+        }
         fields = saved_state::class_info(fn.get(), t[2].ptr()).fields;
       } else if (k == "saved" || k == "saved_none") {
         std::string name = pybind11::str(t[1]);
@@ -456,6 +463,9 @@ class Program {
       } else if (k == "out") {
         op.kind = kOut;
         op.a = t[1].cast<int64_t>();
+        if (t.size() > 6 && torch::autograd::THPCppFunction_Check(t[6].ptr())) {
+          op.pytype = Py_TYPE(t[6].ptr());
+        }
         op.b = t[2].cast<int64_t>();
         op.scalar = scalar_of(t[3]);
         if (op.scalar < 0 || !THPDevice_Check(t[4].ptr())) {
@@ -527,7 +537,7 @@ class Program {
     pybind11::list I;
     PyObject* tl = T.ptr();
     PyObject* il = I.ptr();
-    NodeRef cur;
+    Node* cur = nullptr;  // the nodes list holds every node for the call
     for (const Op& op : ops_) {
       switch (op.kind) {
         case kGradNone: {
@@ -550,24 +560,24 @@ class Program {
           if (op.a >= n_nodes) {
             return pybind11::none();
           }
-          cur = node_of(PyList_GET_ITEM(nl, op.a));
-          if (!cur || typeid(*cur) != *op.cls) {
+          cur = node_at(nl, op);
+          if (cur == nullptr || typeid(*cur) != *op.cls) {
             return pybind11::none();
           }
           break;
         }
         case kSavedTensor:
         case kSavedNone: {
-          if (!cur) {
+          if (cur == nullptr) {
             return pybind11::none();
           }
-          const SavedVariable& sv = cur.get()->*(op.field->saved);
+          const SavedVariable& sv = cur->*(op.field->saved);
           if (sv.has_hooks()) {  // the Python path runs the hooks (once per call)
             return pybind11::none();
           }
           at::Tensor t;
           try {
-            t = sv.unpack(cur);
+            t = sv.unpack(saved_for(nl, cur));
           } catch (const std::exception&) {  // e.g. freed or modified in place: the general path says so
             return pybind11::none();
           }
@@ -591,7 +601,7 @@ class Program {
           break;
         }
         case kMetaDtype: {
-          if (!cur || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+          if (cur == nullptr || op.a >= static_cast<int64_t>(cur->num_outputs())) {
             return pybind11::none();
           }
           const auto& e = cur->next_edge(static_cast<size_t>(op.a));
@@ -615,8 +625,8 @@ class Program {
           if (op.a >= n_nodes) {
             return pybind11::none();
           }
-          auto d = node_of(PyList_GET_ITEM(nl, op.a));
-          if (!d || op.b >= static_cast<int64_t>(d->num_inputs())) {
+          Node* d = node_at(nl, op);
+          if (d == nullptr || op.b >= static_cast<int64_t>(d->num_inputs())) {
             return pybind11::none();
           }
           const auto& md = d->input_metadata(static_cast<size_t>(op.b));
@@ -646,7 +656,7 @@ class Program {
           break;
         }
         case kValue: {
-          if (!cur || !value(op, cur.get(), il)) {
+          if (cur == nullptr || !value(op, cur, il)) {
             return pybind11::none();
           }
           break;
@@ -684,6 +694,23 @@ class Program {
   }
 
  private:
+  // nodes[op.a] (op.a < len(nodes)) as a C++ node: a THPCppFunction of the expected Python type is
+  // read directly, any other object through node_of
+  static Node* node_at(PyObject* nl, const Op& op) {
+    PyObject* o = PyList_GET_ITEM(nl, op.a);
+    if (op.pytype != nullptr && Py_TYPE(o) == op.pytype) {
+      return reinterpret_cast<torch::autograd::THPCppFunction*>(o)->cdata.get();
+    }
+    return node_of(o).get();  // the list's object keeps the node alive
+  }
+  // the owning reference SavedVariable::unpack takes (the node the value was saved for)
+  static NodeRef saved_for(PyObject* /*nl*/, Node* n) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+    return n->shared_from_this();
+#else
+    return c10::intrusive_ptr<Node>::unsafe_reclaim_from_nonowning(n);
+#endif
+  }
   // one int as I holds it (the getter's unsigned reading unless the generated code signs it)
   static bool append_int(PyObject* il, const Op& op, int64_t x) {
     PyObject* o = op.as_unsigned ? PyLong_FromUnsignedLongLong(static_cast<uint64_t>(x)) : PyLong_FromLongLong(x);
@@ -1216,7 +1243,10 @@ int64_t flags_of(torch::autograd::Node* fn) {
   if (!fn->post_hooks().empty()) {
     f |= kPost;
   }
-  if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn)) {
+  if (typeid(*fn) != typeid(torch::autograd::AccumulateGrad)) {  // (cheaper than a dynamic_cast per node)
+    return f;
+  }
+  if (auto* acc = static_cast<torch::autograd::AccumulateGrad*>(fn)) {
     if (acc->variable.defined() && acc->tensor_post_acc_grad_hooks() != nullptr) {
       f |= kPostAccumulate;
     }

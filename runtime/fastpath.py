@@ -199,7 +199,7 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
             w.S.extend((m.dtype, m.device, n_dim))
         ops = None
         if info.needs is not None and info.get_saved is not None:
-            ops = _node_ops(w, i, info, node, saved, metas)
+            ops = _node_ops(w, i, info, node, saved, nodes, metas)
         units.append((start, len(w.lines), ops))
     if tuple(w.S) != S:  # the specialization must encode exactly what the general path does
         log.debug("vjpgen: no specialized gather for %s (encodings differ)", region.label)
@@ -317,7 +317,7 @@ def _plain_ok(v, signed: bool) -> bool:
     return False
 
 
-def _node_ops(w: _Writer, i: int, info, node, saved, metas):
+def _node_ops(w: _Writer, i: int, info, node, saved, nodes, metas):
     """The native ops of node ``i`` (after the writer has read its values), or None."""
     srcs = _value_sources(info)
     if srcs is None or len(saved) != len(srcs):
@@ -346,7 +346,7 @@ def _node_ops(w: _Writer, i: int, info, node, saved, metas):
         m = metas[d][nr]
         if type(m) is not _EdgeMeta():  # unusual metadata (nested, subclass, symbolic): Python
             return None
-        ops.append(("out", d, nr, m.dtype, m.device, len(m.shape)))
+        ops.append(("out", d, nr, m.dtype, m.device, len(m.shape), nodes[d]))
     return ops
 
 
