@@ -561,7 +561,7 @@ class Program {
             return pybind11::none();
           }
           cur = node_at(nl, op);
-          if (cur == nullptr || typeid(*cur) != *op.cls) {
+          if (cur == nullptr || !same_type(typeid(*cur), *op.cls)) {
             return pybind11::none();
           }
           break;
@@ -680,20 +680,38 @@ class Program {
     if (nT != n_tensors_) {
       return pybind11::none();
     }
-    if (nT > 1) {  // no new aliasing between the tensors
-      std::vector<PyObject*> ptrs(PyList_GET_SIZE(tl));
-      for (Py_ssize_t k = 0; k < nT; ++k) {
-        ptrs[k] = PyList_GET_ITEM(tl, k);
-      }
-      std::sort(ptrs.begin(), ptrs.end());
-      if (std::adjacent_find(ptrs.begin(), ptrs.end()) != ptrs.end()) {
-        return pybind11::none();
-      }
+    if (nT > 1 && !distinct(tl, nT)) {  // no new aliasing between the tensors
+      return pybind11::none();
     }
     return pybind11::make_tuple(T, I);
   }
 
  private:
+  static bool same_type(const std::type_info& a, const std::type_info& b) {
+    return &a == &b || a == b;
+  }
+  // whether the n objects of list tl are distinct: an open-addressing set of their addresses
+  static bool distinct(PyObject* tl, Py_ssize_t n) {
+    static thread_local std::vector<PyObject*> slots;
+    size_t cap = 16;
+    while (cap < 2 * static_cast<size_t>(n)) {
+      cap *= 2;
+    }
+    slots.assign(cap, nullptr);
+    const size_t mask = cap - 1;
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      PyObject* o = PyList_GET_ITEM(tl, k);
+      size_t i = static_cast<size_t>((reinterpret_cast<uintptr_t>(o) >> 4) * 0x9E3779B97F4A7C15ull) & mask;
+      while (slots[i] != nullptr) {
+        if (slots[i] == o) {
+          return false;
+        }
+        i = (i + 1) & mask;
+      }
+      slots[i] = o;
+    }
+    return true;
+  }
   // nodes[op.a] (op.a < len(nodes)) as a C++ node: a THPCppFunction of the expected Python type is
   // read directly, any other object through node_of
   static Node* node_at(PyObject* nl, const Op& op) {
@@ -975,6 +993,15 @@ PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle 
 class NodeIndex {
  public:
   NodeIndex() { resize(16); }
+  // empty again, keeping its size: the walk reuses one table (growing a table of 10,000 nodes from
+  // 16 slots rehashed ~20,000 entries per call); only the slots used are cleared
+  void reset() {
+    for (size_t i : used_) {
+      slots_[i] = {nullptr, 0};
+    }
+    used_.clear();
+    count_ = 0;
+  }
   // the index of n, inserting j for it if absent; `inserted` says which
   int64_t find_or_insert(torch::autograd::Node* n, int64_t j, bool& inserted) {
     if (2 * (count_ + 1) > slots_.size()) {
@@ -989,6 +1016,7 @@ class NodeIndex {
       i = (i + 1) & mask_;
     }
     slots_[i] = {n, j};
+    used_.push_back(i);
     ++count_;
     inserted = true;
     return j;
@@ -1016,6 +1044,7 @@ class NodeIndex {
   void grow() {
     auto old = std::move(slots_);
     resize(old.size() * 2);
+    used_.clear();
     for (const auto& e : old) {
       if (e.first != nullptr) {
         size_t i = slot(e.first);
@@ -1023,10 +1052,12 @@ class NodeIndex {
           i = (i + 1) & mask_;
         }
         slots_[i] = e;
+        used_.push_back(i);
       }
     }
   }
   std::vector<std::pair<torch::autograd::Node*, int64_t>> slots_;
+  std::vector<size_t> used_;
   size_t mask_ = 0;
   int shift_ = 64;
   size_t count_ = 0;
@@ -1047,7 +1078,25 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
   pybind11::list nodes;
   pybind11::dict index;
   std::vector<torch::autograd::Node*> order;
-  NodeIndex seen;
+  // one table per thread, reused; a walk nested in another (Python code run by an allocation) gets
+  // its own
+  static thread_local NodeIndex shared_index;
+  static thread_local bool shared_in_use = false;
+  NodeIndex local_index;
+  const bool use_shared = !shared_in_use;
+  NodeIndex& seen = use_shared ? shared_index : local_index;
+  if (use_shared) {
+    shared_index.reset();
+    shared_in_use = true;
+  }
+  struct Release {
+    bool on;
+    ~Release() {
+      if (on) {
+        shared_in_use = false;
+      }
+    }
+  } release_shared{use_shared};
   std::vector<int64_t> key;
   Py_ssize_t nroots = PySequence_Fast_GET_SIZE(seq);
   PyObject** items = PySequence_Fast_ITEMS(seq);
@@ -1243,7 +1292,8 @@ int64_t flags_of(torch::autograd::Node* fn) {
   if (!fn->post_hooks().empty()) {
     f |= kPost;
   }
-  if (typeid(*fn) != typeid(torch::autograd::AccumulateGrad)) {  // (cheaper than a dynamic_cast per node)
+  const std::type_info& ti = typeid(*fn);
+  if (&ti != &typeid(torch::autograd::AccumulateGrad) && ti != typeid(torch::autograd::AccumulateGrad)) {  // (cheaper than a dynamic_cast per node)
     return f;
   }
   if (auto* acc = static_cast<torch::autograd::AccumulateGrad*>(fn)) {
