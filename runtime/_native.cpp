@@ -117,9 +117,13 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 namespace G = torch::autograd::generated;
 
-// kScalar..kDouble: the plain saved values the native gather reads (at::Scalar, int64_t,
-// c10::SymInt, std::vector<c10::SymInt>, std::vector<int64_t>, bool, double)
-enum Kind { kSaved, kSavedList, kGeometry, kOptBool, kScalar, kInt, kSymInt, kSymIntList, kIntList, kBool, kDouble };
+// kScalar..kString: the plain saved values the native gather reads (at::Scalar, int64_t,
+// c10::SymInt, std::vector<c10::SymInt>, std::vector<int64_t>, bool, double, their optional forms,
+// std::string)
+enum Kind {
+  kSaved, kSavedList, kGeometry, kOptBool, kScalar, kInt, kSymInt, kSymIntList, kIntList, kBool, kDouble,
+  kOptSymInt, kOptSymIntList, kOptIntList, kOptDouble, kString
+};
 
 struct Field {
   const char* name;
@@ -135,6 +139,11 @@ struct Field {
   std::vector<int64_t> Node::*int_list = nullptr;
   bool Node::*boolean = nullptr;
   double Node::*real = nullptr;
+  std::optional<c10::SymInt> Node::*opt_symint = nullptr;
+  c10::OptionalArray<c10::SymInt> Node::*opt_symint_list = nullptr;
+  c10::OptionalArray<int64_t> Node::*opt_int_list = nullptr;
+  std::optional<double> Node::*opt_real = nullptr;
+  std::string Node::*str = nullptr;
 };
 
 struct ClassFields {
@@ -172,6 +181,12 @@ inline Field opt_bool_field(const char* n, std::optional<bool> Node::*m) {
 #define VJPGEN_INT_LIST(C, f) VJPGEN_PLAIN(kIntList, std::vector<int64_t>, int_list, C, f)
 #define VJPGEN_BOOL(C, f) VJPGEN_PLAIN(kBool, bool, boolean, C, f)
 #define VJPGEN_DOUBLE(C, f) VJPGEN_PLAIN(kDouble, double, real, C, f)
+#define VJPGEN_OPT_SYMINT(C, f) VJPGEN_PLAIN(kOptSymInt, std::optional<c10::SymInt>, opt_symint, C, f)
+#define VJPGEN_OPT_SYMINT_LIST(C, f) \
+  VJPGEN_PLAIN(kOptSymIntList, c10::OptionalArray<c10::SymInt>, opt_symint_list, C, f)
+#define VJPGEN_OPT_INT_LIST(C, f) VJPGEN_PLAIN(kOptIntList, c10::OptionalArray<int64_t>, opt_int_list, C, f)
+#define VJPGEN_OPT_DOUBLE(C, f) VJPGEN_PLAIN(kOptDouble, std::optional<double>, opt_real, C, f)
+#define VJPGEN_STRING(C, f) VJPGEN_PLAIN(kString, std::string, str, C, f)
 #define VJPGEN_SAVED(C, f) saved_field(#f, static_cast<SavedVariable Node::*>(&G::C::f))
 #define VJPGEN_SAVED_LIST(C, f) \
   saved_list_field(#f, static_cast<std::vector<SavedVariable> Node::*>(&G::C::f))
@@ -198,6 +213,11 @@ const std::vector<ClassFields>& table() {
 #undef VJPGEN_INT_LIST
 #undef VJPGEN_BOOL
 #undef VJPGEN_DOUBLE
+#undef VJPGEN_OPT_SYMINT
+#undef VJPGEN_OPT_SYMINT_LIST
+#undef VJPGEN_OPT_INT_LIST
+#undef VJPGEN_OPT_DOUBLE
+#undef VJPGEN_STRING
 #undef VJPGEN_CLASS
 
 // What the table knows of a node's C++ class: its fields (nullptr: not a generated node with saved
@@ -373,10 +393,10 @@ namespace native_gather {
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 
-enum OpKind { kGradNone, kGradTensor, kNode, kSavedTensor, kSavedNone, kMetaDtype, kOut, kPy, kValue };
+enum OpKind { kGradNone, kGradTensor, kNode, kSavedTensor, kSavedNone, kMetaDtype, kOut, kPy, kValue, kLayout };
 
 // how a plain saved value is expected to read in Python (the type its getter returns)
-enum ValueType { vInt, vFloat, vBool, vInts };
+enum ValueType { vInt, vFloat, vBool, vInts, vNone, vStr };
 
 struct Op {
   OpKind kind;
@@ -396,6 +416,7 @@ struct Op {
   bool as_unsigned = false;
   std::vector<int64_t> ints;
   double real = 0;
+  std::string str;
 };
 
 int scalar_of(pybind11::handle o) {
@@ -491,7 +512,13 @@ class Program {
         op.sym = t[3].cast<bool>();
         pybind11::handle v = t[4];
         auto fk = op.field->kind;
-        if (fk == saved_state::kSymIntList || fk == saved_state::kIntList) {
+        if (v.is_none()) {
+          op.vtype = vNone;
+        } else if (PyUnicode_CheckExact(v.ptr())) {
+          op.vtype = vStr;
+          op.str = v.cast<std::string>();
+        } else if (fk == saved_state::kSymIntList || fk == saved_state::kIntList ||
+                   fk == saved_state::kOptSymIntList || fk == saved_state::kOptIntList) {
           if (!PyTuple_Check(v.ptr())) {
             throw pybind11::type_error("vjpgen native.Gather: a list value read as a tuple expected");
           }
@@ -512,9 +539,15 @@ class Program {
         } else {
           throw pybind11::type_error("vjpgen native.Gather: an int, float, bool or tuple of ints expected");
         }
-        if (op.sym && op.vtype != vInts && op.vtype != vInt) {
+        if (op.sym && op.vtype != vInts && op.vtype != vInt) {  // (None is checked, never a size)
           throw pybind11::type_error("vjpgen native.Gather: only ints are sizes");
         }
+      } else if (k == "layout") {
+        // ("layout", edge, strided): _state.layout_of(meta) of a plain input (torch.strided), or
+        // of an invalid edge (None); nested inputs are left to the Python gather
+        op.kind = kLayout;
+        op.a = t[1].cast<int64_t>();
+        op.scalar = t[2].cast<bool>() ? 1 : -1;
       } else if (k == "py") {
         op.kind = kPy;
         op.obj = keep(t[1]);
@@ -655,6 +688,26 @@ class Program {
           }
           break;
         }
+        case kLayout: {
+          if (cur == nullptr || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+            return pybind11::none();
+          }
+          const auto& e = cur->next_edge(static_cast<size_t>(op.a));
+          if (!e.is_valid()) {
+            if (op.scalar != -1) {
+              return pybind11::none();
+            }
+            break;
+          }
+          if (op.scalar != 1 || e.input_nr >= e.function->num_inputs()) {
+            return pybind11::none();
+          }
+          const auto& md = e.function->input_metadata(e.input_nr);
+          if (md.was_default_constructed() || md.is_nested_tensor()) {
+            return pybind11::none();
+          }
+          break;
+        }
         case kValue: {
           if (cur == nullptr || !value(op, cur, il)) {
             return pybind11::none();
@@ -742,6 +795,25 @@ class Program {
     }
     return true;
   }
+  // a sequence of n ints read by get(k, x): compared with op.ints, or appended to I (sym)
+  template <typename Get>
+  static bool ints_match(const Op& op, PyObject* il, size_t n, Get get) {
+    if (op.vtype != vInts || static_cast<int64_t>(n) != op.ndim) {
+      return false;
+    }
+    for (size_t k = 0; k < n; ++k) {
+      int64_t x;
+      if (!get(k, x)) {
+        return false;
+      }
+      if (op.sym) {
+        append_int(il, op, x);
+      } else if (x != op.ints[k]) {
+        return false;
+      }
+    }
+    return true;
+  }
   // a plain saved value checked (or its ints appended to I); false: not the specialized reading
   static bool value(const Op& op, Node* fn, PyObject* il) {
     using saved_state::Kind;
@@ -815,6 +887,48 @@ class Program {
         return op.vtype == vBool && !op.sym && static_cast<int64_t>(fn->*(f.boolean)) == op.ints[0];
       case Kind::kDouble:
         return op.vtype == vFloat && !op.sym && fn->*(f.real) == op.real;
+      case Kind::kOptDouble: {
+        const auto& o = fn->*(f.opt_real);
+        if (!o) {
+          return op.vtype == vNone;
+        }
+        return op.vtype == vFloat && !op.sym && *o == op.real;
+      }
+      case Kind::kString:
+        return op.vtype == vStr && fn->*(f.str) == op.str;
+      case Kind::kOptSymInt: {
+        const auto& o = fn->*(f.opt_symint);
+        if (!o) {
+          return op.vtype == vNone;
+        }
+        auto m = o->maybe_as_int();
+        if (!m || op.vtype != vInt) {
+          return false;
+        }
+        return op.sym ? append_int(il, op, *m) : *m == op.ints[0];
+      }
+      case Kind::kOptSymIntList:
+      case Kind::kOptIntList: {
+        if (f.kind == Kind::kOptIntList) {
+          const auto& o = (fn->*(f.opt_int_list)).list;
+          if (!o) {
+            return op.vtype == vNone;
+          }
+          return ints_match(op, il, o->size(), [&](size_t k, int64_t& x) { x = (*o)[k]; return true; });
+        }
+        const auto& o = (fn->*(f.opt_symint_list)).list;
+        if (!o) {
+          return op.vtype == vNone;
+        }
+        return ints_match(op, il, o->size(), [&](size_t k, int64_t& x) {
+          auto m = (*o)[k].maybe_as_int();
+          if (!m) {
+            return false;
+          }
+          x = *m;
+          return true;
+        });
+      }
       default:
         return false;
     }

@@ -239,12 +239,13 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
 # used only where it gave the Python gather's (T, I) on the call it was built from; it returns None
 # wherever it cannot decide (hooks on a saved tensor, an unusual input), and the Python gather runs.
 
-_SOURCES: dict = {}  # get_saved function -> per saved value: ("saved", C++ field) | ("dtype", edge) | None
+_SOURCES: dict = {}  # get_saved function -> per saved value: ("saved", C++ field) | ("value", C++ member, signed) | ("dtype" / "layout", edge) | None
 _TENSOR_SCHEMAS = ("Tensor", "Tensor?")
 # schemas of plain saved values whose C++ member (same name) the helper's table has: Scalar, int64_t,
-# SymInt, std::vector<SymInt>, std::vector<int64_t>, bool, double (the C++ class decides, checked
-# when the program is built)
-_PLAIN_SCHEMAS = ("Scalar", "int", "SymInt", "SymInt[]", "int[]", "bool", "float")
+# SymInt, std::vector<SymInt>, std::vector<int64_t>, bool, double, their optional forms, std::string
+# (the C++ class decides, checked when the program is built)
+_PLAIN_SCHEMAS = ("Scalar", "int", "SymInt", "SymInt[]", "int[]", "bool", "float", "SymInt?", "SymInt[]?", "int[]?",
+                  "float?", "str")
 
 
 def _value_sources(info):
@@ -282,14 +283,14 @@ def _source_of(e, schema: str, module, src: str):
     if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "node"
             and e.attr.startswith("_saved_") and schema in _PLAIN_SCHEMAS):
         return ("value", e.attr[len("_saved_"):], signed)
-    if (isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "dtype_of"
+    if (isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in ("dtype_of", "layout_of")
             and isinstance(e.func.value, ast.Name) and e.func.value.id == "_state" and len(e.args) == 1
             and isinstance(e.args[0], ast.Name) and re.fullmatch(r"meta\d+", e.args[0].id)):
         k = int(e.args[0].id[4:])
         # the generated reading of metaK: edge_meta[ranges[K].start] (the walk's metadata)
         if not re.search(rf"\b{e.args[0].id} = \(\s*edge_meta\[ranges\[{k}\]\.start\]", src):
             return None
-        return ("dtype", module._RANGES[k].start)
+        return ("dtype" if e.func.attr == "dtype_of" else "layout", module._RANGES[k].start)
     return None
 
 
@@ -308,8 +309,10 @@ def _plain_ok(v, signed: bool) -> bool:
     """Whether the native program can expect ``v`` (as the getter gave it): an int, float or bool,
     or a tuple of ints, each an int64 (and, read unsigned, not >= 2**63)."""
     tp = type(v)
-    if tp is bool or tp is float:
+    if v is None or tp is bool or tp is float:
         return True
+    if tp is str:
+        return v not in _MARKERS
     if tp is int:
         return -_U63 <= v < _U63 if signed else 0 <= v < _U63
     if tp is tuple:
@@ -338,6 +341,10 @@ def _node_ops(w: _Writer, i: int, info, node, saved, nodes, metas):
                 ops.append(("saved", src[1], type(v), w.tid[id(v)]))
             else:
                 return None
+        elif src[0] == "layout":
+            if v is not None and v is not torch.strided:
+                return None
+            ops.append(("layout", src[1], v is not None))
         else:
             if v is not None and not isinstance(v, torch.dtype):
                 return None

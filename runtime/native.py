@@ -105,6 +105,11 @@ _FIELD_KINDS = {
     "std::vector<int64_t>": "VJPGEN_INT_LIST",
     "bool": "VJPGEN_BOOL",
     "double": "VJPGEN_DOUBLE",
+    "::std::optional<c10::SymInt>": "VJPGEN_OPT_SYMINT",
+    "c10::OptionalArray<c10::SymInt>": "VJPGEN_OPT_SYMINT_LIST",
+    "c10::OptionalArray<int64_t>": "VJPGEN_OPT_INT_LIST",
+    "::std::optional<double>": "VJPGEN_OPT_DOUBLE",
+    "std::string": "VJPGEN_STRING",
 }
 _STRUCT = re.compile(r"^struct TORCH_API (\w+) : public \w+ \{$")
 _MEMBER = re.compile(r"^  (.+?) (\w+)(?: = [^;]*)?;$")

@@ -164,3 +164,29 @@ def test_saved_tensor_hooks_run_once(compare_native):
     got = run(lambda l: rt.backward(l, backend=BK))
     torch.testing.assert_close(got, want)
     assert counts[1] == counts[0]
+
+
+def _mixed(x, w, b, approximate="tanh", start=1, dims=(1,)):
+    """Saved values of many kinds: Layout and sizes/strides (mm, addmm with Scalars alpha/beta), a
+    str (gelu), an optional int list (mean's dim), optional SymInts (slice), a float (pow), views."""
+    h = torch.addmm(b, x, w, beta=0.5, alpha=2.0)
+    h = torch.nn.functional.gelu(h, approximate=approximate)
+    h = h[:, start:start + 3] * h.mean(dim=dims, keepdim=True)
+    h = h.transpose(0, 1).reshape(-1).abs().add(1.0).pow(2.5)
+    return (h @ torch.ones_like(h)) + torch.mm(x, w).sum()
+
+
+def test_mixed_value_kinds(compare_native):
+    x = torch.randn(6, 5, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    params = [x, w, b]
+    for kw in ({}, {}, {}, {"approximate": "none"}, {"approximate": "none"}, {"start": 2}, {"start": 2},
+               {"dims": (0, 1)}, {"dims": (0, 1)}):
+        _grads_match(lambda: rt.backward(_mixed(x, w, b, **kw), backend=BK),
+                     lambda: _mixed(x, w, b, **kw).backward(), params)
+    # a non-contiguous input: other saved strides (mm's self_sym_strides), so not the old graph
+    xt = torch.randn(5, 6).t().requires_grad_()
+    _grads_match(lambda: rt.backward(_mixed(xt, w, b), backend=BK), lambda: _mixed(xt, w, b).backward(), [xt, w, b])
+    _expect_programs(compare_native)
+    assert compare_native["refused"] > 0 or native.module() is None  # a changed constant was refused
