@@ -393,7 +393,10 @@ namespace native_gather {
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 
-enum OpKind { kGradNone, kGradTensor, kNode, kSavedTensor, kSavedNone, kMetaDtype, kOut, kPy, kValue, kLayout };
+enum OpKind {
+  kGradNone, kGradTensor, kNode, kSavedTensor, kSavedNone, kMetaDtype, kOut, kPy, kValue, kLayout,
+  kNEdges, kListDtypes, kListSizes
+};
 
 // how a plain saved value is expected to read in Python (the type its getter returns)
 enum ValueType { vInt, vFloat, vBool, vInts, vNone, vStr };
@@ -548,6 +551,21 @@ class Program {
         op.kind = kLayout;
         op.a = t[1].cast<int64_t>();
         op.scalar = t[2].cast<bool>() ? 1 : -1;
+      } else if (k == "nedges" || k == "list_dtypes" || k == "list_sizes") {
+        // the saved values of a node whose one input is a Tensor[] (cat), from its edges' metadata:
+        // ("nedges", n): len(ranges[0]); ("list_dtypes", dtypes): _state.list_dtypes (an invalid
+        // edge: the node's output dtype); ("list_sizes", ranks): _state.list_sizes with every edge
+        // valid (the sizes of an invalid one are derived in Python), appended to I
+        if (k == "nedges") {
+          op.kind = kNEdges;
+          op.a = t[1].cast<int64_t>();
+        } else {
+          op.kind = k == "list_dtypes" ? kListDtypes : kListSizes;
+          for (auto x : pybind11::reinterpret_borrow<pybind11::list>(t[1])) {
+            op.ints.push_back(k == "list_dtypes" ? scalar_of(x) : x.cast<int64_t>());
+          }
+          op.a = static_cast<int64_t>(op.ints.size());
+        }
       } else if (k == "py") {
         op.kind = kPy;
         op.obj = keep(t[1]);
@@ -705,6 +723,61 @@ class Program {
           const auto& md = e.function->input_metadata(e.input_nr);
           if (md.was_default_constructed() || md.is_nested_tensor()) {
             return pybind11::none();
+          }
+          break;
+        }
+        case kNEdges: {
+          if (cur == nullptr || static_cast<int64_t>(cur->num_outputs()) != op.a) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kListDtypes:
+        case kListSizes: {
+          if (cur == nullptr || static_cast<int64_t>(cur->num_outputs()) != op.a) {
+            return pybind11::none();
+          }
+          for (int64_t k = 0; k < op.a; ++k) {
+            const auto& e = cur->next_edge(static_cast<size_t>(k));
+            const torch::autograd::InputMetadata* md = nullptr;
+            if (e.is_valid()) {
+              if (e.input_nr >= e.function->num_inputs()) {
+                return pybind11::none();
+              }
+              md = &e.function->input_metadata(e.input_nr);
+            } else if (op.kind == kListDtypes && cur->num_inputs() > 0) {
+              md = &cur->input_metadata(0);  // the output's dtype stands in
+            }
+            if (md == nullptr || md->was_default_constructed()) {
+              return pybind11::none();
+            }
+            if (op.kind == kListDtypes) {
+              if (static_cast<int>(c10::typeMetaToScalarType(md->dtype())) != op.ints[k]) {
+                return pybind11::none();
+              }
+              continue;
+            }
+            if (md->is_nested_tensor() || md->is_tensor_subclass()) {
+              return pybind11::none();
+            }
+            auto shape = md->shape_as_dim_vector();
+            if (static_cast<int64_t>(shape.size()) != op.ints[k]) {
+              return pybind11::none();
+            }
+            for (const auto& d : shape) {
+              if (d.is_heap_allocated()) {
+                return pybind11::none();
+              }
+              PyObject* x = PyLong_FromLongLong(d.as_int_unchecked());
+              if (x == nullptr) {
+                throw pybind11::error_already_set();
+              }
+              int rc = PyList_Append(il, x);
+              Py_DECREF(x);
+              if (rc != 0) {
+                throw pybind11::error_already_set();
+              }
+            }
           }
           break;
         }

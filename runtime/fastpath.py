@@ -272,7 +272,25 @@ def _value_sources(info):
     return out
 
 
+_LIST_INPUT = re.compile(r"\bnf = node\.next_functions\n\s*ranges = _state\.input_ranges\(len\(nf\), _INPUT_IS_LIST\)")
+
+
+def _is_ranges0(e) -> bool:
+    return (isinstance(e, ast.Subscript) and isinstance(e.value, ast.Name) and e.value.id == "ranges"
+            and isinstance(e.slice, ast.Constant) and e.slice.value == 0)
+
+
 def _source_of(e, schema: str, module, src: str):
+    # a node whose one input is a Tensor[] (cat): its edge count, dtypes and sizes from the edges
+    if getattr(module, "_INPUT_IS_LIST", None) == (True,) and _LIST_INPUT.search(src) and isinstance(e, ast.Call):
+        f = e.func
+        if isinstance(f, ast.Name) and f.id == "len" and len(e.args) == 1 and _is_ranges0(e.args[0]):
+            return ("nedges",)
+        if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "_state"
+                and f.attr in ("list_dtypes", "list_sizes") and len(e.args) == 3
+                and isinstance(e.args[0], ast.Name) and e.args[0].id == "node"
+                and isinstance(e.args[1], ast.Name) and e.args[1].id == "nf" and _is_ranges0(e.args[2])):
+            return (f.attr,)
     if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "node"
             and e.attr.startswith("_saved_") and schema in _TENSOR_SCHEMAS):
         return ("saved", e.attr[len("_saved_"):] + "_")
@@ -329,7 +347,22 @@ def _node_ops(w: _Writer, i: int, info, node, saved, nodes, metas):
     for v, src, sym in zip(saved, srcs, info.sym_flags):
         if src is None:
             return None
-        if src[0] == "value":
+        if src[0] == "nedges":
+            if type(v) is not int:
+                return None
+            ops.append(("nedges", v))
+        elif src[0] == "list_dtypes":
+            if type(v) is not list or not all(isinstance(x, torch.dtype) for x in v):
+                return None
+            ops.append(("list_dtypes", v))
+        elif src[0] == "list_sizes":
+            # sizes (appended to I) of valid edges only: an invalid edge's are derived in Python
+            if (not sym or type(v) is not list or any(type(t) is not tuple or not all(type(x) is int for x in t)
+                                                       for t in v)
+                    or any(m is None for m, _ in node.next_functions)):
+                return None
+            ops.append(("list_sizes", [len(t) for t in v]))
+        elif src[0] == "value":
             if not _plain_ok(v, src[2]):
                 return None
             # as the writer: only ints and tuples of ints are sizes (a float or bool is a constant)

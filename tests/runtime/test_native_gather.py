@@ -166,10 +166,12 @@ def test_saved_tensor_hooks_run_once(compare_native):
     assert counts[1] == counts[0]
 
 
-def _mixed(x, w, b, approximate="tanh", start=1, dims=(1,)):
+def _mixed(x, w, b, approximate="tanh", start=1, dims=(1,), const_cat=False):
     """Saved values of many kinds: Layout and sizes/strides (mm, addmm with Scalars alpha/beta), a
-    str (gelu), an optional int list (mean's dim), optional SymInts (slice), a float (pow), views."""
+    str (gelu), an optional int list (mean's dim), optional SymInts (slice), a float (pow), views,
+    cat's list dtypes and sizes (one input without grad: sizes derived in Python)."""
     h = torch.addmm(b, x, w, beta=0.5, alpha=2.0)
+    h = torch.cat([h, torch.ones_like(h) if const_cat else h.sin()], dim=0)
     h = torch.nn.functional.gelu(h, approximate=approximate)
     h = h[:, start:start + 3] * h.mean(dim=dims, keepdim=True)
     h = h.transpose(0, 1).reshape(-1).abs().add(1.0).pow(2.5)
@@ -182,7 +184,7 @@ def test_mixed_value_kinds(compare_native):
     b = torch.randn(8, requires_grad=True)
     params = [x, w, b]
     for kw in ({}, {}, {}, {"approximate": "none"}, {"approximate": "none"}, {"start": 2}, {"start": 2},
-               {"dims": (0, 1)}, {"dims": (0, 1)}):
+               {"dims": (0, 1)}, {"dims": (0, 1)}, {"const_cat": True}, {"const_cat": True}):
         _grads_match(lambda: rt.backward(_mixed(x, w, b, **kw), backend=BK),
                      lambda: _mixed(x, w, b, **kw).backward(), params)
     # a non-contiguous input: other saved strides (mm's self_sym_strides), so not the old graph
