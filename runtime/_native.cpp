@@ -20,9 +20,12 @@
 // saved_value(node, name): a saved value of a generated node that torch gives Python no getter
 // for (TensorGeometry, optional<bool>), read from the node struct (see "saved state" below).
 // saved_hook_key(node): whether the node's saved tensors have hooks (the walk returns it per node).
+// Gather(ops, n_tensors)(nodes, metas, buf): a region's inputs (T, I) read from the live nodes by a
+// program fastpath.py builds once per region and static part (see "Native gather" below).
 // Built on first use by vjpgen/runtime/native.py with torch.utils.cpp_extension.
 
 #include <torch/csrc/Device.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/engine.h>
@@ -38,6 +41,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -113,7 +117,13 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 namespace G = torch::autograd::generated;
 
-enum Kind { kSaved, kSavedList, kGeometry, kOptBool };
+// kScalar..kString: the plain saved values the native gather reads (at::Scalar, int64_t,
+// c10::SymInt, std::vector<c10::SymInt>, std::vector<int64_t>, bool, double, their optional forms,
+// std::string)
+enum Kind {
+  kSaved, kSavedList, kGeometry, kOptBool, kScalar, kInt, kSymInt, kSymIntList, kIntList, kBool, kDouble,
+  kOptSymInt, kOptSymIntList, kOptIntList, kOptDouble, kString
+};
 
 struct Field {
   const char* name;
@@ -122,6 +132,18 @@ struct Field {
   std::vector<SavedVariable> Node::*saved_list = nullptr;
   at::TensorGeometry Node::*geometry = nullptr;
   std::optional<bool> Node::*opt_bool = nullptr;
+  at::Scalar Node::*scalar = nullptr;
+  int64_t Node::*int64 = nullptr;
+  c10::SymInt Node::*symint = nullptr;
+  std::vector<c10::SymInt> Node::*symint_list = nullptr;
+  std::vector<int64_t> Node::*int_list = nullptr;
+  bool Node::*boolean = nullptr;
+  double Node::*real = nullptr;
+  std::optional<c10::SymInt> Node::*opt_symint = nullptr;
+  c10::OptionalArray<c10::SymInt> Node::*opt_symint_list = nullptr;
+  c10::OptionalArray<int64_t> Node::*opt_int_list = nullptr;
+  std::optional<double> Node::*opt_real = nullptr;
+  std::string Node::*str = nullptr;
 };
 
 struct ClassFields {
@@ -150,6 +172,21 @@ inline Field opt_bool_field(const char* n, std::optional<bool> Node::*m) {
   return f;
 }
 
+#define VJPGEN_PLAIN(K, T, member, C, f) \
+  ([] { Field x{#f, K}; x.member = static_cast<T Node::*>(&G::C::f); return x; }())
+#define VJPGEN_SCALAR(C, f) VJPGEN_PLAIN(kScalar, at::Scalar, scalar, C, f)
+#define VJPGEN_INT(C, f) VJPGEN_PLAIN(kInt, int64_t, int64, C, f)
+#define VJPGEN_SYMINT(C, f) VJPGEN_PLAIN(kSymInt, c10::SymInt, symint, C, f)
+#define VJPGEN_SYMINT_LIST(C, f) VJPGEN_PLAIN(kSymIntList, std::vector<c10::SymInt>, symint_list, C, f)
+#define VJPGEN_INT_LIST(C, f) VJPGEN_PLAIN(kIntList, std::vector<int64_t>, int_list, C, f)
+#define VJPGEN_BOOL(C, f) VJPGEN_PLAIN(kBool, bool, boolean, C, f)
+#define VJPGEN_DOUBLE(C, f) VJPGEN_PLAIN(kDouble, double, real, C, f)
+#define VJPGEN_OPT_SYMINT(C, f) VJPGEN_PLAIN(kOptSymInt, std::optional<c10::SymInt>, opt_symint, C, f)
+#define VJPGEN_OPT_SYMINT_LIST(C, f) \
+  VJPGEN_PLAIN(kOptSymIntList, c10::OptionalArray<c10::SymInt>, opt_symint_list, C, f)
+#define VJPGEN_OPT_INT_LIST(C, f) VJPGEN_PLAIN(kOptIntList, c10::OptionalArray<int64_t>, opt_int_list, C, f)
+#define VJPGEN_OPT_DOUBLE(C, f) VJPGEN_PLAIN(kOptDouble, std::optional<double>, opt_real, C, f)
+#define VJPGEN_STRING(C, f) VJPGEN_PLAIN(kString, std::string, str, C, f)
 #define VJPGEN_SAVED(C, f) saved_field(#f, static_cast<SavedVariable Node::*>(&G::C::f))
 #define VJPGEN_SAVED_LIST(C, f) \
   saved_list_field(#f, static_cast<std::vector<SavedVariable> Node::*>(&G::C::f))
@@ -168,6 +205,19 @@ const std::vector<ClassFields>& table() {
 #undef VJPGEN_SAVED_LIST
 #undef VJPGEN_GEOMETRY
 #undef VJPGEN_OPT_BOOL
+#undef VJPGEN_PLAIN
+#undef VJPGEN_SCALAR
+#undef VJPGEN_INT
+#undef VJPGEN_SYMINT
+#undef VJPGEN_SYMINT_LIST
+#undef VJPGEN_INT_LIST
+#undef VJPGEN_BOOL
+#undef VJPGEN_DOUBLE
+#undef VJPGEN_OPT_SYMINT
+#undef VJPGEN_OPT_SYMINT_LIST
+#undef VJPGEN_OPT_INT_LIST
+#undef VJPGEN_OPT_DOUBLE
+#undef VJPGEN_STRING
 #undef VJPGEN_CLASS
 
 // What the table knows of a node's C++ class: its fields (nullptr: not a generated node with saved
@@ -175,6 +225,7 @@ const std::vector<ClassFields>& table() {
 struct ClassInfo {
   const ClassFields* fields = nullptr;
   bool py_function = false;
+  std::vector<const Field*> saved;  // the fields' saved tensors (kSaved, kSavedList): the walk reads their hooks
 };
 
 // Looked up by the node's C++ type (typeid of the object: its vtable, no symbol of the class), the
@@ -200,6 +251,11 @@ const ClassInfo& class_info(Node* fn, PyObject* obj) {
     auto nt = by_name.find(fn->name());
     if (nt != by_name.end()) {
       info.fields = nt->second;
+      for (const auto& f : info.fields->fields) {
+        if (f.kind == kSaved || f.kind == kSavedList) {
+          info.saved.push_back(&f);
+        }
+      }
     }
   }
   return by_type.emplace(t, info).first->second;
@@ -240,11 +296,8 @@ int64_t saved_hook_key(Node* fn, PyObject* obj) {
     }
     return 0;
   }
-  const ClassFields* c = info.fields;
-  if (c == nullptr) {
-    return 0;
-  }
-  for (const auto& f : c->fields) {
+  for (const Field* fp : info.saved) {
+    const Field& f = *fp;
     if (f.kind == kSaved) {
       if (int64_t k = hook_key(fn->*(f.saved))) {
         return k;
@@ -316,6 +369,664 @@ int64_t saved_hook_key_py(pybind11::handle node) {
 }
 
 }  // namespace saved_state
+
+// ---------------------------------------------------------------------------------------------
+// Native gather: a region's inputs read from the live nodes in one call, by a program that
+// vjpgen.runtime.fastpath builds once per region and static part S (see native_gather in
+// fastpath.py). It hands back the same (T, I) the region's specialized Python gather does, or None
+// wherever that one would (then the Python gather runs, and after it the general path). Ops:
+//   ("grad", slot, None) / ("grad", slot, type, pos): buf[slot] is None / a tensor of exactly
+//       `type`, at position pos of T (pos == len(T): appended; else it must be T[pos] itself)
+//   ("node", i, node): the node whose saved values follow is nodes[i], of node's C++ class
+//   ("saved", field, type, pos) / ("saved_none", field): the SavedVariable `field` of that node
+//       (the saved-state table above), unpacked as its Python getter does: a tensor as in "grad" /
+//       undefined. A saved variable with hooks is never unpacked here: the program returns None
+//       and the Python path runs them (once per call, inside the graph task).
+//   ("dtype", edge, dtype or None): the dtype of the input metadata behind the node's edge (None:
+//       an invalid edge), as the generated get_saved reads `_state.dtype_of(meta)`
+//   ("out", d, nr, dtype, device, ndim): input nr of nodes[d] has this dtype, device and rank
+//       (plain metadata: not nested, no subclass, no symbolic size); its sizes are appended to I
+//   ("py", fn): fn(nodes, metas, buf, T, I) is True (a node the program cannot read natively)
+// and at the end the tensors of T are distinct objects (no new aliasing), len(T) == n_tensors.
+namespace native_gather {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+
+enum OpKind {
+  kGradNone, kGradTensor, kNode, kSavedTensor, kSavedNone, kMetaDtype, kOut, kPy, kValue, kLayout,
+  kNEdges, kListDtypes, kListSizes
+};
+
+// how a plain saved value is expected to read in Python (the type its getter returns)
+enum ValueType { vInt, vFloat, vBool, vInts, vNone, vStr };
+
+struct Op {
+  OpKind kind;
+  int64_t a = 0;  // slot, node index, edge, d
+  int64_t b = 0;  // position in T, nr
+  const saved_state::Field* field = nullptr;
+  PyObject* obj = nullptr;  // the tensor type, or the Python part (borrowed from Program::keep)
+  const std::type_info* cls = nullptr;
+  PyTypeObject* pytype = nullptr;  // kNode, kOut: the Python type of the node object (a THPCppFunction one)
+  int scalar = -1;  // a ScalarType, -1 for None
+  c10::Device device{c10::kCPU};
+  int64_t ndim = 0;
+  // kValue: sym: its ints are appended to I (sizes), else compared with `ints` / `real`;
+  // as_unsigned: read as torch's getter does without _state.signed (int64 as unsigned)
+  ValueType vtype = vInt;
+  bool sym = false;
+  bool as_unsigned = false;
+  std::vector<int64_t> ints;
+  double real = 0;
+  std::string str;
+};
+
+int scalar_of(pybind11::handle o) {
+  if (o.is_none()) {
+    return -1;
+  }
+  if (!THPDtype_Check(o.ptr())) {
+    throw pybind11::type_error("vjpgen native.Gather: expected a torch.dtype or None");
+  }
+  return static_cast<int>(reinterpret_cast<THPDtype*>(o.ptr())->scalar_type);
+}
+
+class Program {
+ public:
+  Program(pybind11::list ops, int64_t n_tensors) : n_tensors_(n_tensors) {
+    const saved_state::ClassFields* fields = nullptr;
+    for (auto item : ops) {
+      pybind11::tuple t = pybind11::reinterpret_borrow<pybind11::tuple>(item);
+      std::string k = pybind11::str(t[0]);
+      Op op{kPy};
+      if (k == "grad") {
+        op.a = t[1].cast<int64_t>();
+        if (t[2].is_none()) {
+          op.kind = kGradNone;
+        } else {
+          op.kind = kGradTensor;
+          op.obj = keep(t[2]);
+          op.b = t[3].cast<int64_t>();
+        }
+      } else if (k == "node") {
+        op.kind = kNode;
+        op.a = t[1].cast<int64_t>();
+        auto fn = node_of(t[2].ptr());
+        if (!fn) {
+          throw pybind11::type_error("vjpgen native.Gather: expected an autograd node");
+        }
+        op.cls = &typeid(*fn);
+        if (torch::autograd::THPCppFunction_Check(t[2].ptr())) {
+          op.pytype = Py_TYPE(t[2].ptr());
+        }
+        fields = saved_state::class_info(fn.get(), t[2].ptr()).fields;
+      } else if (k == "saved" || k == "saved_none") {
+        std::string name = pybind11::str(t[1]);
+        if (fields != nullptr) {
+          for (const auto& f : fields->fields) {
+            if (f.kind == saved_state::kSaved && name == f.name) {
+              op.field = &f;
+            }
+          }
+        }
+        if (op.field == nullptr) {
+          throw pybind11::key_error(name);
+        }
+        if (k == "saved") {
+          op.kind = kSavedTensor;
+          op.obj = keep(t[2]);
+          op.b = t[3].cast<int64_t>();
+        } else {
+          op.kind = kSavedNone;
+        }
+      } else if (k == "dtype") {
+        op.kind = kMetaDtype;
+        op.a = t[1].cast<int64_t>();
+        op.scalar = scalar_of(t[2]);
+      } else if (k == "out") {
+        op.kind = kOut;
+        op.a = t[1].cast<int64_t>();
+        if (t.size() > 6 && torch::autograd::THPCppFunction_Check(t[6].ptr())) {
+          op.pytype = Py_TYPE(t[6].ptr());
+        }
+        op.b = t[2].cast<int64_t>();
+        op.scalar = scalar_of(t[3]);
+        if (op.scalar < 0 || !THPDevice_Check(t[4].ptr())) {
+          throw pybind11::type_error("vjpgen native.Gather: an out op needs a dtype and a device");
+        }
+        op.device = reinterpret_cast<THPDevice*>(t[4].ptr())->device;
+        op.ndim = t[5].cast<int64_t>();
+      } else if (k == "value") {
+        // ("value", field, signed, sym, expected): a plain saved value (see Kind kScalar..kDouble)
+        op.kind = kValue;
+        std::string name = pybind11::str(t[1]);
+        if (fields != nullptr) {
+          for (const auto& f : fields->fields) {
+            if (f.kind >= saved_state::kScalar && name == f.name) {
+              op.field = &f;
+            }
+          }
+        }
+        if (op.field == nullptr) {
+          throw pybind11::key_error(name);
+        }
+        op.as_unsigned = !t[2].cast<bool>();
+        op.sym = t[3].cast<bool>();
+        pybind11::handle v = t[4];
+        auto fk = op.field->kind;
+        if (v.is_none()) {
+          op.vtype = vNone;
+        } else if (PyUnicode_CheckExact(v.ptr())) {
+          op.vtype = vStr;
+          op.str = v.cast<std::string>();
+        } else if (fk == saved_state::kSymIntList || fk == saved_state::kIntList ||
+                   fk == saved_state::kOptSymIntList || fk == saved_state::kOptIntList) {
+          if (!PyTuple_Check(v.ptr())) {
+            throw pybind11::type_error("vjpgen native.Gather: a list value read as a tuple expected");
+          }
+          op.vtype = vInts;
+          for (auto x : v) {
+            op.ints.push_back(x.cast<int64_t>());
+          }
+          op.ndim = static_cast<int64_t>(op.ints.size());
+        } else if (PyBool_Check(v.ptr())) {
+          op.vtype = vBool;
+          op.ints.push_back(v.ptr() == Py_True ? 1 : 0);
+        } else if (PyLong_CheckExact(v.ptr())) {
+          op.vtype = vInt;
+          op.ints.push_back(v.cast<int64_t>());
+        } else if (PyFloat_CheckExact(v.ptr())) {
+          op.vtype = vFloat;
+          op.real = v.cast<double>();
+        } else {
+          throw pybind11::type_error("vjpgen native.Gather: an int, float, bool or tuple of ints expected");
+        }
+        if (op.sym && op.vtype != vInts && op.vtype != vInt) {  // (None is checked, never a size)
+          throw pybind11::type_error("vjpgen native.Gather: only ints are sizes");
+        }
+      } else if (k == "layout") {
+        // ("layout", edge, strided): _state.layout_of(meta) of a plain input (torch.strided), or
+        // of an invalid edge (None); nested inputs are left to the Python gather
+        op.kind = kLayout;
+        op.a = t[1].cast<int64_t>();
+        op.scalar = t[2].cast<bool>() ? 1 : -1;
+      } else if (k == "nedges" || k == "list_dtypes" || k == "list_sizes") {
+        // the saved values of a node whose one input is a Tensor[] (cat), from its edges' metadata:
+        // ("nedges", n): len(ranges[0]); ("list_dtypes", dtypes): _state.list_dtypes (an invalid
+        // edge: the node's output dtype); ("list_sizes", ranks): _state.list_sizes with every edge
+        // valid (the sizes of an invalid one are derived in Python), appended to I
+        if (k == "nedges") {
+          op.kind = kNEdges;
+          op.a = t[1].cast<int64_t>();
+        } else {
+          op.kind = k == "list_dtypes" ? kListDtypes : kListSizes;
+          for (auto x : pybind11::reinterpret_borrow<pybind11::list>(t[1])) {
+            op.ints.push_back(k == "list_dtypes" ? scalar_of(x) : x.cast<int64_t>());
+          }
+          op.a = static_cast<int64_t>(op.ints.size());
+        }
+      } else if (k == "py") {
+        op.kind = kPy;
+        op.obj = keep(t[1]);
+      } else {
+        throw pybind11::value_error("vjpgen native.Gather: unknown op " + k);
+      }
+      ops_.push_back(op);
+    }
+  }
+
+  // (T, I) or None; see the comment above the namespace
+  pybind11::object run(pybind11::handle nodes, pybind11::handle metas, pybind11::handle buf) {
+    if (!PyList_Check(nodes.ptr()) || !PyList_Check(buf.ptr())) {
+      return pybind11::none();
+    }
+    PyObject* nl = nodes.ptr();
+    PyObject* bl = buf.ptr();
+    const Py_ssize_t n_nodes = PyList_GET_SIZE(nl);
+    pybind11::list T;
+    pybind11::list I;
+    PyObject* tl = T.ptr();
+    PyObject* il = I.ptr();
+    Node* cur = nullptr;  // the nodes list holds every node for the call
+    for (const Op& op : ops_) {
+      switch (op.kind) {
+        case kGradNone: {
+          if (op.a >= PyList_GET_SIZE(bl) || PyList_GET_ITEM(bl, op.a) != Py_None) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kGradTensor: {
+          if (op.a >= PyList_GET_SIZE(bl)) {
+            return pybind11::none();
+          }
+          PyObject* v = PyList_GET_ITEM(bl, op.a);
+          if (reinterpret_cast<PyObject*>(Py_TYPE(v)) != op.obj || !add_tensor(tl, v, op.b)) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kNode: {
+          if (op.a >= n_nodes) {
+            return pybind11::none();
+          }
+          cur = node_at(nl, op);
+          if (cur == nullptr || !same_type(typeid(*cur), *op.cls)) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kSavedTensor:
+        case kSavedNone: {
+          if (cur == nullptr) {
+            return pybind11::none();
+          }
+          const SavedVariable& sv = cur->*(op.field->saved);
+          if (sv.has_hooks()) {  // the Python path runs the hooks (once per call)
+            return pybind11::none();
+          }
+          at::Tensor t;
+          try {
+            t = sv.unpack(saved_for(nl, cur));
+          } catch (const std::exception&) {  // e.g. freed or modified in place: the general path says so
+            return pybind11::none();
+          }
+          if (op.kind == kSavedNone) {
+            if (t.defined()) {
+              return pybind11::none();
+            }
+            break;
+          }
+          if (!t.defined()) {
+            return pybind11::none();
+          }
+          PyObject* w = THPVariable_Wrap(std::move(t));
+          if (w == nullptr) {
+            throw pybind11::error_already_set();
+          }
+          pybind11::object wo = pybind11::reinterpret_steal<pybind11::object>(w);
+          if (reinterpret_cast<PyObject*>(Py_TYPE(w)) != op.obj || !add_tensor(tl, w, op.b)) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kMetaDtype: {
+          if (cur == nullptr || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+            return pybind11::none();
+          }
+          const auto& e = cur->next_edge(static_cast<size_t>(op.a));
+          if (!e.is_valid()) {
+            if (op.scalar != -1) {
+              return pybind11::none();
+            }
+            break;
+          }
+          if (e.input_nr >= e.function->num_inputs()) {
+            return pybind11::none();
+          }
+          const auto& md = e.function->input_metadata(e.input_nr);
+          if (md.was_default_constructed() ||
+              static_cast<int>(c10::typeMetaToScalarType(md.dtype())) != op.scalar) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kOut: {
+          if (op.a >= n_nodes) {
+            return pybind11::none();
+          }
+          Node* d = node_at(nl, op);
+          if (d == nullptr || op.b >= static_cast<int64_t>(d->num_inputs())) {
+            return pybind11::none();
+          }
+          const auto& md = d->input_metadata(static_cast<size_t>(op.b));
+          if (md.was_default_constructed() || md.is_nested_tensor() || md.is_tensor_subclass() ||
+              static_cast<int>(c10::typeMetaToScalarType(md.dtype())) != op.scalar ||
+              md.device() != op.device) {
+            return pybind11::none();
+          }
+          auto shape = md.shape_as_dim_vector();
+          if (static_cast<int64_t>(shape.size()) != op.ndim) {
+            return pybind11::none();
+          }
+          for (const auto& s : shape) {
+            if (s.is_heap_allocated()) {
+              return pybind11::none();
+            }
+            PyObject* x = PyLong_FromLongLong(s.as_int_unchecked());
+            if (x == nullptr) {
+              throw pybind11::error_already_set();
+            }
+            int rc = PyList_Append(il, x);
+            Py_DECREF(x);
+            if (rc != 0) {
+              throw pybind11::error_already_set();
+            }
+          }
+          break;
+        }
+        case kLayout: {
+          if (cur == nullptr || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+            return pybind11::none();
+          }
+          const auto& e = cur->next_edge(static_cast<size_t>(op.a));
+          if (!e.is_valid()) {
+            if (op.scalar != -1) {
+              return pybind11::none();
+            }
+            break;
+          }
+          if (op.scalar != 1 || e.input_nr >= e.function->num_inputs()) {
+            return pybind11::none();
+          }
+          const auto& md = e.function->input_metadata(e.input_nr);
+          if (md.was_default_constructed() || md.is_nested_tensor()) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kNEdges: {
+          if (cur == nullptr || static_cast<int64_t>(cur->num_outputs()) != op.a) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kListDtypes:
+        case kListSizes: {
+          if (cur == nullptr || static_cast<int64_t>(cur->num_outputs()) != op.a) {
+            return pybind11::none();
+          }
+          for (int64_t k = 0; k < op.a; ++k) {
+            const auto& e = cur->next_edge(static_cast<size_t>(k));
+            const torch::autograd::InputMetadata* md = nullptr;
+            if (e.is_valid()) {
+              if (e.input_nr >= e.function->num_inputs()) {
+                return pybind11::none();
+              }
+              md = &e.function->input_metadata(e.input_nr);
+            } else if (op.kind == kListDtypes && cur->num_inputs() > 0) {
+              md = &cur->input_metadata(0);  // the output's dtype stands in
+            }
+            if (md == nullptr || md->was_default_constructed()) {
+              return pybind11::none();
+            }
+            if (op.kind == kListDtypes) {
+              if (static_cast<int>(c10::typeMetaToScalarType(md->dtype())) != op.ints[k]) {
+                return pybind11::none();
+              }
+              continue;
+            }
+            if (md->is_nested_tensor() || md->is_tensor_subclass()) {
+              return pybind11::none();
+            }
+            auto shape = md->shape_as_dim_vector();
+            if (static_cast<int64_t>(shape.size()) != op.ints[k]) {
+              return pybind11::none();
+            }
+            for (const auto& d : shape) {
+              if (d.is_heap_allocated()) {
+                return pybind11::none();
+              }
+              PyObject* x = PyLong_FromLongLong(d.as_int_unchecked());
+              if (x == nullptr) {
+                throw pybind11::error_already_set();
+              }
+              int rc = PyList_Append(il, x);
+              Py_DECREF(x);
+              if (rc != 0) {
+                throw pybind11::error_already_set();
+              }
+            }
+          }
+          break;
+        }
+        case kValue: {
+          if (cur == nullptr || !value(op, cur, il)) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kPy: {
+          PyObject* r = PyObject_CallFunctionObjArgs(op.obj, nl, metas.ptr(), bl, tl, il, nullptr);
+          if (r == nullptr) {  // as the Python gather: an error means "not this specialization"
+            PyErr_Clear();
+            return pybind11::none();
+          }
+          bool ok = r == Py_True;
+          Py_DECREF(r);
+          if (!ok) {
+            return pybind11::none();
+          }
+          break;
+        }
+      }
+    }
+    const Py_ssize_t nT = PyList_GET_SIZE(tl);
+    if (nT != n_tensors_) {
+      return pybind11::none();
+    }
+    if (nT > 1 && !distinct(tl, nT)) {  // no new aliasing between the tensors
+      return pybind11::none();
+    }
+    return pybind11::make_tuple(T, I);
+  }
+
+ private:
+  static bool same_type(const std::type_info& a, const std::type_info& b) {
+    return &a == &b || a == b;
+  }
+  // whether the n objects of list tl are distinct: an open-addressing set of their addresses
+  static bool distinct(PyObject* tl, Py_ssize_t n) {
+    static thread_local std::vector<PyObject*> slots;
+    size_t cap = 16;
+    while (cap < 2 * static_cast<size_t>(n)) {
+      cap *= 2;
+    }
+    slots.assign(cap, nullptr);
+    const size_t mask = cap - 1;
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      PyObject* o = PyList_GET_ITEM(tl, k);
+      size_t i = static_cast<size_t>((reinterpret_cast<uintptr_t>(o) >> 4) * 0x9E3779B97F4A7C15ull) & mask;
+      while (slots[i] != nullptr) {
+        if (slots[i] == o) {
+          return false;
+        }
+        i = (i + 1) & mask;
+      }
+      slots[i] = o;
+    }
+    return true;
+  }
+  // nodes[op.a] (op.a < len(nodes)) as a C++ node: a THPCppFunction of the expected Python type is
+  // read directly, any other object through node_of
+  static Node* node_at(PyObject* nl, const Op& op) {
+    PyObject* o = PyList_GET_ITEM(nl, op.a);
+    if (op.pytype != nullptr && Py_TYPE(o) == op.pytype) {
+      return reinterpret_cast<torch::autograd::THPCppFunction*>(o)->cdata.get();
+    }
+    return node_of(o).get();  // the list's object keeps the node alive
+  }
+  // the owning reference SavedVariable::unpack takes (the node the value was saved for)
+  static NodeRef saved_for(PyObject* /*nl*/, Node* n) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+    return n->shared_from_this();
+#else
+    return c10::intrusive_ptr<Node>::unsafe_reclaim_from_nonowning(n);
+#endif
+  }
+  // one int as I holds it (the getter's unsigned reading unless the generated code signs it)
+  static bool append_int(PyObject* il, const Op& op, int64_t x) {
+    PyObject* o = op.as_unsigned ? PyLong_FromUnsignedLongLong(static_cast<uint64_t>(x)) : PyLong_FromLongLong(x);
+    if (o == nullptr) {
+      throw pybind11::error_already_set();
+    }
+    int rc = PyList_Append(il, o);
+    Py_DECREF(o);
+    if (rc != 0) {
+      throw pybind11::error_already_set();
+    }
+    return true;
+  }
+  // a sequence of n ints read by get(k, x): compared with op.ints, or appended to I (sym)
+  template <typename Get>
+  static bool ints_match(const Op& op, PyObject* il, size_t n, Get get) {
+    if (op.vtype != vInts || static_cast<int64_t>(n) != op.ndim) {
+      return false;
+    }
+    for (size_t k = 0; k < n; ++k) {
+      int64_t x;
+      if (!get(k, x)) {
+        return false;
+      }
+      if (op.sym) {
+        append_int(il, op, x);
+      } else if (x != op.ints[k]) {
+        return false;
+      }
+    }
+    return true;
+  }
+  // a plain saved value checked (or its ints appended to I); false: not the specialized reading
+  static bool value(const Op& op, Node* fn, PyObject* il) {
+    using saved_state::Kind;
+    const saved_state::Field& f = *op.field;
+    switch (f.kind) {
+      case Kind::kScalar: {
+        const at::Scalar& s = fn->*(f.scalar);
+        if (s.isSymbolic() || s.isComplex()) {
+          return false;
+        }
+        if (s.isFloatingPoint()) {
+          return op.vtype == vFloat && !op.sym && s.to<double>() == op.real;
+        }
+        if (s.isBoolean()) {
+          return op.vtype == vBool && !op.sym && static_cast<int64_t>(s.to<bool>()) == op.ints[0];
+        }
+        if (s.isIntegral(false)) {
+          return op.vtype == vInt && !op.sym && s.to<int64_t>() == op.ints[0];
+        }
+        return false;
+      }
+      case Kind::kInt:
+      case Kind::kSymInt: {
+        int64_t x;
+        if (f.kind == Kind::kInt) {
+          x = fn->*(f.int64);
+        } else {
+          auto m = (fn->*(f.symint)).maybe_as_int();
+          if (!m) {
+            return false;
+          }
+          x = *m;
+        }
+        if (op.vtype != vInt) {
+          return false;
+        }
+        if (op.sym) {
+          return append_int(il, op, x);
+        }
+        return x == op.ints[0];
+      }
+      case Kind::kSymIntList:
+      case Kind::kIntList: {
+        if (op.vtype != vInts) {
+          return false;
+        }
+        size_t n = f.kind == Kind::kIntList ? (fn->*(f.int_list)).size() : (fn->*(f.symint_list)).size();
+        if (static_cast<int64_t>(n) != op.ndim) {
+          return false;
+        }
+        for (size_t k = 0; k < n; ++k) {
+          int64_t x;
+          if (f.kind == Kind::kIntList) {
+            x = (fn->*(f.int_list))[k];
+          } else {
+            auto m = (fn->*(f.symint_list))[k].maybe_as_int();
+            if (!m) {
+              return false;
+            }
+            x = *m;
+          }
+          if (op.sym) {
+            append_int(il, op, x);
+          } else if (x != op.ints[k]) {
+            return false;
+          }
+        }
+        return true;
+      }
+      case Kind::kBool:
+        return op.vtype == vBool && !op.sym && static_cast<int64_t>(fn->*(f.boolean)) == op.ints[0];
+      case Kind::kDouble:
+        return op.vtype == vFloat && !op.sym && fn->*(f.real) == op.real;
+      case Kind::kOptDouble: {
+        const auto& o = fn->*(f.opt_real);
+        if (!o) {
+          return op.vtype == vNone;
+        }
+        return op.vtype == vFloat && !op.sym && *o == op.real;
+      }
+      case Kind::kString:
+        return op.vtype == vStr && fn->*(f.str) == op.str;
+      case Kind::kOptSymInt: {
+        const auto& o = fn->*(f.opt_symint);
+        if (!o) {
+          return op.vtype == vNone;
+        }
+        auto m = o->maybe_as_int();
+        if (!m || op.vtype != vInt) {
+          return false;
+        }
+        return op.sym ? append_int(il, op, *m) : *m == op.ints[0];
+      }
+      case Kind::kOptSymIntList:
+      case Kind::kOptIntList: {
+        if (f.kind == Kind::kOptIntList) {
+          const auto& o = (fn->*(f.opt_int_list)).list;
+          if (!o) {
+            return op.vtype == vNone;
+          }
+          return ints_match(op, il, o->size(), [&](size_t k, int64_t& x) { x = (*o)[k]; return true; });
+        }
+        const auto& o = (fn->*(f.opt_symint_list)).list;
+        if (!o) {
+          return op.vtype == vNone;
+        }
+        return ints_match(op, il, o->size(), [&](size_t k, int64_t& x) {
+          auto m = (*o)[k].maybe_as_int();
+          if (!m) {
+            return false;
+          }
+          x = *m;
+          return true;
+        });
+      }
+      default:
+        return false;
+    }
+  }
+  PyObject* keep(pybind11::handle o) {
+    keep_.push_back(pybind11::reinterpret_borrow<pybind11::object>(o));
+    return o.ptr();
+  }
+  // v at position pos of T: appended when pos is the next one, else it must be T[pos] itself
+  static bool add_tensor(PyObject* tl, PyObject* v, int64_t pos) {
+    Py_ssize_t n = PyList_GET_SIZE(tl);
+    if (pos == n) {
+      if (PyList_Append(tl, v) != 0) {
+        throw pybind11::error_already_set();
+      }
+      return true;
+    }
+    return pos < n && PyList_GET_ITEM(tl, pos) == v;
+  }
+  std::vector<Op> ops_;
+  std::vector<pybind11::object> keep_;
+  int64_t n_tensors_;
+};
+
+}  // namespace native_gather
 
 // A new reference to the torch.device object of a device (one object per device, kept).
 PyObject* device_object(const c10::Device& d) {
@@ -469,6 +1180,15 @@ PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle 
 class NodeIndex {
  public:
   NodeIndex() { resize(16); }
+  // empty again, keeping its size: the walk reuses one table (growing a table of 10,000 nodes from
+  // 16 slots rehashed ~20,000 entries per call); only the slots used are cleared
+  void reset() {
+    for (size_t i : used_) {
+      slots_[i] = {nullptr, 0};
+    }
+    used_.clear();
+    count_ = 0;
+  }
   // the index of n, inserting j for it if absent; `inserted` says which
   int64_t find_or_insert(torch::autograd::Node* n, int64_t j, bool& inserted) {
     if (2 * (count_ + 1) > slots_.size()) {
@@ -483,6 +1203,7 @@ class NodeIndex {
       i = (i + 1) & mask_;
     }
     slots_[i] = {n, j};
+    used_.push_back(i);
     ++count_;
     inserted = true;
     return j;
@@ -510,6 +1231,7 @@ class NodeIndex {
   void grow() {
     auto old = std::move(slots_);
     resize(old.size() * 2);
+    used_.clear();
     for (const auto& e : old) {
       if (e.first != nullptr) {
         size_t i = slot(e.first);
@@ -517,10 +1239,12 @@ class NodeIndex {
           i = (i + 1) & mask_;
         }
         slots_[i] = e;
+        used_.push_back(i);
       }
     }
   }
   std::vector<std::pair<torch::autograd::Node*, int64_t>> slots_;
+  std::vector<size_t> used_;
   size_t mask_ = 0;
   int shift_ = 64;
   size_t count_ = 0;
@@ -541,7 +1265,25 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
   pybind11::list nodes;
   pybind11::dict index;
   std::vector<torch::autograd::Node*> order;
-  NodeIndex seen;
+  // one table per thread, reused; a walk nested in another (Python code run by an allocation) gets
+  // its own
+  static thread_local NodeIndex shared_index;
+  static thread_local bool shared_in_use = false;
+  NodeIndex local_index;
+  const bool use_shared = !shared_in_use;
+  NodeIndex& seen = use_shared ? shared_index : local_index;
+  if (use_shared) {
+    shared_index.reset();
+    shared_in_use = true;
+  }
+  struct Release {
+    bool on;
+    ~Release() {
+      if (on) {
+        shared_in_use = false;
+      }
+    }
+  } release_shared{use_shared};
   std::vector<int64_t> key;
   Py_ssize_t nroots = PySequence_Fast_GET_SIZE(seq);
   PyObject** items = PySequence_Fast_ITEMS(seq);
@@ -737,7 +1479,11 @@ int64_t flags_of(torch::autograd::Node* fn) {
   if (!fn->post_hooks().empty()) {
     f |= kPost;
   }
-  if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn)) {
+  const std::type_info& ti = typeid(*fn);
+  if (&ti != &typeid(torch::autograd::AccumulateGrad) && ti != typeid(torch::autograd::AccumulateGrad)) {  // (cheaper than a dynamic_cast per node)
+    return f;
+  }
+  if (auto* acc = static_cast<torch::autograd::AccumulateGrad*>(fn)) {
     if (acc->variable.defined() && acc->tensor_post_acc_grad_hooks() != nullptr) {
       f |= kPostAccumulate;
     }
@@ -916,5 +1662,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("node"), pybind11::arg("name"));
   m.def("saved_hook_key", &saved_state::saved_hook_key_py,
         "the unpack hook identity of the node's first saved tensor with hooks, 0 when none has");
+  pybind11::class_<native_gather::Program>(m, "Gather", "a region's native gather program (see fastpath.native_gather)")
+      .def(pybind11::init<pybind11::list, int64_t>(), pybind11::arg("ops"), pybind11::arg("n_tensors"))
+      .def("__call__", &native_gather::Program::run, pybind11::arg("nodes"), pybind11::arg("metas"),
+           pybind11::arg("buf"));
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

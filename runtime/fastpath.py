@@ -15,12 +15,16 @@ used when it reproduces that ``S`` exactly on the same inputs (checked once, whe
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import logging
+import re
+import textwrap
 
 import torch
 
-from . import capture
+from . import capture, native
 from . import saved as _saved
 
 log = logging.getLogger("vjpgen")
@@ -150,12 +154,18 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
     ``nodes``/``metas``/``buf``), or None when this structure cannot be specialized."""
     w = _Writer()
     emit = w.emit
+    # what the native program (native_gather) needs: per unit (an incoming grad, a node) its lines
+    # and the ops that read the same values natively (None: the unit's lines run in Python)
+    units: list = []
     for s in region.in_slots:
+        start = len(w.lines)
         w.value(buf[s], f"buf[{s}]", False)
+        units.append((start, len(w.lines), _grad_ops(w, s, buf[s])))
     infos = plan.infos
     for i in region.nodes:
         info = infos[i]
         node = nodes[i]
+        start = len(w.lines)
         emit(f"n = nodes[{i}]")
         if info.needs is not None and info.get_saved is not None:
             em = None
@@ -187,6 +197,10 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
                  f"or m.device != {w.const(m.device)}: return None")
             emit("extI(sh)")
             w.S.extend((m.dtype, m.device, n_dim))
+        ops = None
+        if info.needs is not None and info.get_saved is not None:
+            ops = _node_ops(w, i, info, node, saved, nodes, metas)
+        units.append((start, len(w.lines), ops))
     if tuple(w.S) != S:  # the specialization must encode exactly what the general path does
         log.debug("vjpgen: no specialized gather for %s (encodings differ)", region.label)
         return None
@@ -208,13 +222,242 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
     exec(code, glb)
     fn = glb["gather"]
     fn.__vjpgen_source__ = src
+    fn.__vjpgen_native__ = None
+    if not region.saved_hooks:
+        try:
+            fn.__vjpgen_native__ = native_gather(w, units, region, fn, nodes, metas, buf)
+        except Exception as e:  # never fatal: the Python gather does the same
+            log.debug("vjpgen: no native gather for %s: %s", region.label, e)
     return fn
+
+
+# ------------------------------------------------------------------------------------------
+# the native gather: the specialized gather as one C++ call (native.module().Gather, see
+# _native.cpp "Native gather"). Saved tensors, dtypes from edge metadata, incoming grads and the
+# metadata of the inputs the grads flow into are read in C++; a node with any other saved value
+# (a Scalar, sizes, ...) runs its lines of the Python gather from within that call. The program is
+# used only where it gave the Python gather's (T, I) on the call it was built from; it returns None
+# wherever it cannot decide (hooks on a saved tensor, an unusual input), and the Python gather runs.
+
+_SOURCES: dict = {}  # get_saved function -> per saved value: ("saved", C++ field) | ("value", C++ member, signed) | ("dtype" / "layout", edge) | None
+_TENSOR_SCHEMAS = ("Tensor", "Tensor?")
+# schemas of plain saved values whose C++ member (same name) the helper's table has: Scalar, int64_t,
+# SymInt, std::vector<SymInt>, std::vector<int64_t>, bool, double, their optional forms, std::string
+# (the C++ class decides, checked when the program is built)
+_PLAIN_SCHEMAS = ("Scalar", "int", "SymInt", "SymInt[]", "int[]", "bool", "float", "SymInt?", "SymInt[]?", "int[]?",
+                  "float?", "str")
+
+
+def _value_sources(info):
+    """Where each saved value of ``info.get_saved`` comes from, read from its source (generated
+    code: a list of one expression per value): ``node._saved_X`` of a tensor is the C++ node's
+    SavedVariable ``X_``; ``_state.dtype_of(metaK)`` the dtype of the input metadata behind the
+    edge ``_RANGES[K].start``; anything else None. None when the source cannot be read."""
+    fn = info.get_saved
+    try:
+        return _SOURCES[fn]
+    except KeyError:
+        pass
+    out = None
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        body = ast.parse(src).body[0].body
+        ret = body[-1]
+        schema = info.module.SCHEMA
+        if isinstance(ret, ast.Return) and isinstance(ret.value, ast.List) and len(ret.value.elts) == len(schema):
+            out = tuple(_source_of(e, schema[k], info.module, src) for k, e in enumerate(ret.value.elts))
+    except (OSError, TypeError, SyntaxError, AttributeError, IndexError):
+        out = None
+    _SOURCES[fn] = out
+    return out
+
+
+_LIST_INPUT = re.compile(r"\bnf = node\.next_functions\n\s*ranges = _state\.input_ranges\(len\(nf\), _INPUT_IS_LIST\)")
+
+
+def _is_ranges0(e) -> bool:
+    return (isinstance(e, ast.Subscript) and isinstance(e.value, ast.Name) and e.value.id == "ranges"
+            and isinstance(e.slice, ast.Constant) and e.slice.value == 0)
+
+
+def _source_of(e, schema: str, module, src: str):
+    # a node whose one input is a Tensor[] (cat): its edge count, dtypes and sizes from the edges
+    if getattr(module, "_INPUT_IS_LIST", None) == (True,) and _LIST_INPUT.search(src) and isinstance(e, ast.Call):
+        f = e.func
+        if isinstance(f, ast.Name) and f.id == "len" and len(e.args) == 1 and _is_ranges0(e.args[0]):
+            return ("nedges",)
+        if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "_state"
+                and f.attr in ("list_dtypes", "list_sizes") and len(e.args) == 3
+                and isinstance(e.args[0], ast.Name) and e.args[0].id == "node"
+                and isinstance(e.args[1], ast.Name) and e.args[1].id == "nf" and _is_ranges0(e.args[2])):
+            return (f.attr,)
+    if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "node"
+            and e.attr.startswith("_saved_") and schema in _TENSOR_SCHEMAS):
+        return ("saved", e.attr[len("_saved_"):] + "_")
+    signed = False
+    if (isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "signed"
+            and isinstance(e.func.value, ast.Name) and e.func.value.id == "_state" and len(e.args) == 1):
+        e, signed = e.args[0], True
+    if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "node"
+            and e.attr.startswith("_saved_") and schema in _PLAIN_SCHEMAS):
+        return ("value", e.attr[len("_saved_"):], signed)
+    if (isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in ("dtype_of", "layout_of")
+            and isinstance(e.func.value, ast.Name) and e.func.value.id == "_state" and len(e.args) == 1
+            and isinstance(e.args[0], ast.Name) and re.fullmatch(r"meta\d+", e.args[0].id)):
+        k = int(e.args[0].id[4:])
+        # the generated reading of metaK: edge_meta[ranges[K].start] (the walk's metadata)
+        if not re.search(rf"\b{e.args[0].id} = \(\s*edge_meta\[ranges\[{k}\]\.start\]", src):
+            return None
+        return ("dtype" if e.func.attr == "dtype_of" else "layout", module._RANGES[k].start)
+    return None
+
+
+def _grad_ops(w: _Writer, s: int, v):
+    if v is None:
+        return [("grad", s, None)]
+    if isinstance(v, _Tensor):
+        return [("grad", s, type(v), w.tid[id(v)])]
+    return None
+
+
+_U63 = 1 << 63
+
+
+def _plain_ok(v, signed: bool) -> bool:
+    """Whether the native program can expect ``v`` (as the getter gave it): an int, float or bool,
+    or a tuple of ints, each an int64 (and, read unsigned, not >= 2**63)."""
+    tp = type(v)
+    if v is None or tp is bool or tp is float:
+        return True
+    if tp is str:
+        return v not in _MARKERS
+    if tp is int:
+        return -_U63 <= v < _U63 if signed else 0 <= v < _U63
+    if tp is tuple:
+        return all(type(x) is int and (-_U63 <= x < _U63 if signed else 0 <= x < _U63) for x in v)
+    return False
+
+
+def _node_ops(w: _Writer, i: int, info, node, saved, nodes, metas):
+    """The native ops of node ``i`` (after the writer has read its values), or None."""
+    srcs = _value_sources(info)
+    if srcs is None or len(saved) != len(srcs):
+        return None
+    ops: list = [("node", i, node)]
+    for v, src, sym in zip(saved, srcs, info.sym_flags):
+        if src is None:
+            return None
+        if src[0] == "nedges":
+            if type(v) is not int:
+                return None
+            ops.append(("nedges", v))
+        elif src[0] == "list_dtypes":
+            if type(v) is not list or not all(isinstance(x, torch.dtype) for x in v):
+                return None
+            ops.append(("list_dtypes", v))
+        elif src[0] == "list_sizes":
+            # sizes (appended to I) of valid edges only: an invalid edge's are derived in Python
+            if (not sym or type(v) is not list or any(type(t) is not tuple or not all(type(x) is int for x in t)
+                                                       for t in v)
+                    or any(m is None for m, _ in node.next_functions)):
+                return None
+            ops.append(("list_sizes", [len(t) for t in v]))
+        elif src[0] == "value":
+            if not _plain_ok(v, src[2]):
+                return None
+            # as the writer: only ints and tuples of ints are sizes (a float or bool is a constant)
+            ops.append(("value", src[1], src[2], bool(sym) and type(v) in (int, tuple), v))
+        elif src[0] == "saved":
+            if v is None:
+                ops.append(("saved_none", src[1]))
+            elif isinstance(v, _Tensor):
+                ops.append(("saved", src[1], type(v), w.tid[id(v)]))
+            else:
+                return None
+        elif src[0] == "layout":
+            if v is not None and v is not torch.strided:
+                return None
+            ops.append(("layout", src[1], v is not None))
+        else:
+            if v is not None and not isinstance(v, torch.dtype):
+                return None
+            ops.append(("dtype", src[1], v))
+    for (_, _, d, nr) in info.out:
+        m = metas[d][nr]
+        if type(m) is not _EdgeMeta():  # unusual metadata (nested, subclass, symbolic): Python
+            return None
+        ops.append(("out", d, nr, m.dtype, m.device, len(m.shape), nodes[d]))
+    return ops
+
+
+def _EdgeMeta():
+    from .walk import EdgeMeta
+
+    return EdgeMeta
+
+
+def native_gather(w: _Writer, units: list, region, fn, nodes, metas, buf):
+    """``native.module().Gather`` for the specialized gather ``fn`` written by ``w`` (see above), or
+    None where the helper is not built, no unit can be read natively, or the program does not give
+    what ``fn`` gives on these inputs."""
+    nat = native.module()
+    if nat is None or not any(u[2] is not None for u in units):
+        return None
+    ops: list = []
+    py: list = []  # consecutive lines that run in Python, emitted as one function
+
+    def flush():
+        if py:
+            ops.append(("py", _part(w, py, region.label, len(ops))))
+            py.clear()
+
+    for start, end, uops in units:
+        if uops is None:
+            py.extend(w.lines[start:end])
+        else:
+            flush()
+            ops.extend(uops)
+    flush()
+    prog = nat.Gather(ops, w.nT)
+    want = fn(nodes, metas, buf)
+    got = prog(nodes, metas, buf)
+    if want is None or got is None or len(want[0]) != len(got[0]) or not all(
+            map(_same_tensor, want[0], got[0])) or list(want[1]) != list(got[1]):
+        log.debug("vjpgen: the native gather of %s differs from the Python one; not used", region.label)
+        return None
+    return prog
+
+
+def _same_tensor(a, b) -> bool:
+    """The same tensor (a saved output unpacks to a new Python object on every read)."""
+    return a is b or (type(a) is type(b) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                      and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+                      and a.requires_grad == b.requires_grad)
+
+
+def _part(w: _Writer, lines: list, label: str, k: int):
+    head = [
+        "def part(nodes, metas, buf, T, I):",
+        "    addT = T.append",
+        "    addI = I.append",
+        "    extI = I.extend",
+    ]
+    src = "\n".join(head + lines + ["    return True"]) + "\n"
+    glb = dict(w.consts)
+    glb["flatten"] = capture.flatten
+    exec(compile(src, f"<vjpgen gather part {label}/{k}>", "exec"), glb)
+    return glb["part"]
 
 
 def lookup(region, nodes, metas, buf):
     """Run the region's specializations: ``(T, I, by_ints, by_meta)`` for the first whose checks
     pass (the cache's entry tables for that ``S``), or None."""
     for fn, by_ints, by_meta in region.fast:
+        nat = fn.__vjpgen_native__
+        if nat is not None:
+            r = nat(nodes, metas, buf)
+            if r is not None:
+                return r[0], r[1], by_ints, by_meta
         try:
             r = fn(nodes, metas, buf)
         except Exception:  # e.g. freed saved tensors: the general path reports it

@@ -97,9 +97,22 @@ _FIELD_KINDS = {
     "::std::optional<bool>": "VJPGEN_OPT_BOOL",
     "std::optional<bool>": "VJPGEN_OPT_BOOL",
     "c10::optional<bool>": "VJPGEN_OPT_BOOL",
+    # the plain saved values the native gather reads (fastpath.native_gather)
+    "at::Scalar": "VJPGEN_SCALAR",
+    "int64_t": "VJPGEN_INT",
+    "c10::SymInt": "VJPGEN_SYMINT",
+    "std::vector<c10::SymInt>": "VJPGEN_SYMINT_LIST",
+    "std::vector<int64_t>": "VJPGEN_INT_LIST",
+    "bool": "VJPGEN_BOOL",
+    "double": "VJPGEN_DOUBLE",
+    "::std::optional<c10::SymInt>": "VJPGEN_OPT_SYMINT",
+    "c10::OptionalArray<c10::SymInt>": "VJPGEN_OPT_SYMINT_LIST",
+    "c10::OptionalArray<int64_t>": "VJPGEN_OPT_INT_LIST",
+    "::std::optional<double>": "VJPGEN_OPT_DOUBLE",
+    "std::string": "VJPGEN_STRING",
 }
 _STRUCT = re.compile(r"^struct TORCH_API (\w+) : public \w+ \{$")
-_MEMBER = re.compile(r"^  (.+?) (\w+);$")
+_MEMBER = re.compile(r"^  (.+?) (\w+)(?: = [^;]*)?;$")
 
 
 def saved_fields_header(include: Path) -> str:
