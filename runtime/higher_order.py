@@ -452,10 +452,13 @@ def _fast_lookup(region, plan, nodes, metas, buf):
     if not lst:
         return None
     for fn, rg, by_ints, by_meta in lst:
-        try:
-            r = fn(nodes, metas, buf)
-        except Exception:  # e.g. freed saved tensors: the general path reports it
-            return None
+        nat = getattr(fn, "__vjpgen_native__", None)  # the native gather, as fastpath.lookup
+        r = nat(nodes, metas, buf) if nat is not None else None
+        if r is None:
+            try:
+                r = fn(nodes, metas, buf)
+            except Exception:  # e.g. freed saved tensors: the general path reports it
+                return None
         if r is None:
             continue
         T, I = r
