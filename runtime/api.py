@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import threading
+import warnings
 
 import torch
 
@@ -299,6 +300,41 @@ def _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused
     )
 
 
+# eager's warning for backward(create_graph=True) (engine.cpp, TORCH_WARN_ONCE): the cycle it warns
+# of (param -> .grad -> grad_fn -> param) exists in vjpgen's create_graph backward as well
+_CREATE_GRAPH_CYCLE = (
+    "Using backward() with create_graph=True will create a reference cycle between the parameter and its "
+    "gradient which can cause a memory leak. We recommend using autograd.grad when creating the graph to "
+    "avoid this. If you have to use this function, make sure to reset the .grad fields of your parameters "
+    "to None after use to break the cycle and avoid the leak."
+)
+_create_graph_warned = False
+
+
+def _warn_create_graph_cycle() -> None:
+    """Warn as eager's engine does on backward(create_graph=True): once per process, or every time
+    under ``torch.set_warn_always(True)``."""
+    global _create_graph_warned
+    if _create_graph_warned and not torch.is_warn_always_enabled():
+        return
+    _create_graph_warned = True
+    warnings.warn(_CREATE_GRAPH_CYCLE, UserWarning, stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside vjpgen and torch (the user's backward() call),
+    whichever entry point (rt.backward, a patched Tensor.backward, dynamo's disable wrapper) led here."""
+    import os
+    import sys
+
+    ours = os.path.dirname(os.path.abspath(__file__))
+    theirs = os.path.dirname(os.path.abspath(torch.__file__))
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith((ours, theirs)):
+        f, level = f.f_back, level + 1
+    return level
+
+
 @_opaque
 def backward(
     tensors,
@@ -322,6 +358,8 @@ def backward(
             raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
     if retain_graph is None:
         retain_graph = create_graph
+    if create_graph:
+        _warn_create_graph_cycle()
     # (create_graph: compiled as differentiable graphs, runtime/higher_order.py)
     _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None, bool(create_graph))
     return None

@@ -1,5 +1,8 @@
 """create_graph=True compiled to any order (runtime/higher_order.py), against eager autograd."""
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 
@@ -23,6 +26,47 @@ def _no_fallbacks(st):
     assert st["eager_fallbacks"] == 0, st["eager_fallback_reasons"]
     assert not st["higher_order"]["eager_fallbacks"], st["higher_order"]["fallback_reasons"]
     assert st["graph_breaks"] == 0, st["graph_break_reasons"]
+
+
+@contextlib.contextmanager
+def _warns_reference_cycle():
+    """backward(create_graph=True) warns of the param -> .grad -> graph cycle, in eager (once per
+    process, C++) and in vjpgen alike; warn-always makes eager's warning repeatable to assert."""
+    was = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with pytest.warns(UserWarning, match="create_graph=True will create a reference cycle") as rec:
+            yield rec
+    finally:
+        torch.set_warn_always(was)
+
+
+def test_backward_create_graph_warns_as_eager_does():
+    w1, w2 = _net()
+    x = torch.randn(4, 3)
+    with _warns_reference_cycle():
+        _energy(x, w1, w2).backward(create_graph=True)  # eager's warning: the oracle
+    calls = {
+        "rt.backward": lambda l: rt.backward(l, create_graph=True, backend=BK),
+        "Tensor.backward": lambda l: l.backward(create_graph=True),
+        "torch.autograd.backward": lambda l: torch.autograd.backward(l, create_graph=True, inputs=[w1]),
+    }
+    for name, call in calls.items():
+        before = rt.stats()["backward_calls"]
+        with rt.compiled_autograd(backend=BK), _warns_reference_cycle() as rec:
+            call(_energy(x, w1, w2))
+        assert rt.stats()["backward_calls"] == before + 1, name  # through vjpgen, not eager
+        assert [r.filename for r in rec] == [__file__], name  # names the user's line
+    # grad(create_graph=True) warns in neither
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            torch.autograd.grad(_energy(x, w1, w2), w1, create_graph=True)
+            rt.grad(_energy(x, w1, w2), w1, create_graph=True, backend=BK)
+    finally:
+        torch.set_warn_always(False)
+    assert not [r for r in rec if "reference cycle" in str(r.message)]
 
 
 def test_grad_to_third_order_matches_eager():
@@ -58,8 +102,10 @@ def test_backward_create_graph_leaf_grad_is_differentiable():
         pen = (g1**2).sum() + (g2**2).sum()
         return g1.detach(), g2.detach(), torch.autograd.grad(pen, (w1, w2))
 
-    r1, r2, rr = step(lambda l, **k: l.backward(**k))
-    v1, v2, vv = step(lambda l, **k: rt.backward(l, backend=BK, **k))
+    with _warns_reference_cycle():
+        r1, r2, rr = step(lambda l, **k: l.backward(**k))
+    with _warns_reference_cycle():
+        v1, v2, vv = step(lambda l, **k: rt.backward(l, backend=BK, **k))
     torch.testing.assert_close(v1, r1)
     torch.testing.assert_close(v2, r2)
     for a, b in zip(vv, rr):
@@ -73,7 +119,8 @@ def test_backward_create_graph_accumulates_into_existing_grad():
     for bw in (lambda l: l.backward(create_graph=True), lambda l: rt.backward(l, create_graph=True, backend=BK)):
         w1.grad = torch.ones_like(w1)
         w2.grad = None
-        bw(_energy(x, w1, w2))
+        with _warns_reference_cycle():
+            bw(_energy(x, w1, w2))
         g = w1.grad
         (h,) = torch.autograd.grad(g.pow(2).sum(), w1)
         if bw.__code__.co_names.count("rt") == 0:
@@ -124,7 +171,8 @@ def test_inputs_allow_unused_and_grad_outputs_that_require_grad():
         rt.grad(torch.tanh(x @ w1), (x, unused), v, create_graph=True, backend=BK)
     # backward(inputs=) with create_graph: only those leaves, differentiable
     w1.grad = w2.grad = None
-    rt.backward(_energy(x, w1, w2), inputs=[w1], create_graph=True, backend=BK)
+    with _warns_reference_cycle():
+        rt.backward(_energy(x, w1, w2), inputs=[w1], create_graph=True, backend=BK)
     assert w2.grad is None and w1.grad.grad_fn is not None
     ref_g = torch.autograd.grad(_energy(x, w1, w2), w1)[0]
     torch.testing.assert_close(w1.grad, ref_g)
