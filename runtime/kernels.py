@@ -32,10 +32,9 @@ def _default_get_module(name: str):
 # Node classes whose generated formula is known to differ from torch's on some releases (found by
 # the edge-value run of that release's check) and that run as torch's live node there until ported:
 # class -> (releases, why). Never a silently wrong gradient while a port is unfinished.
-KNOWN_DIFFERENT = {
-    "LinalgPolarBackward0": (">=2.14", "NaN at rank-deficient or tied inputs where torch's node is finite (2.15 edge-value run)"),
-    "LinalgMatrixSqrthBackward0": (">=2.14", "NaN at rank-deficient or tied inputs where torch's node is finite (2.15 edge-value run)"),
-}
+# Empty now: LinalgPolarBackward0 and LinalgMatrixSqrthBackward0 (torch >= 2.14) were listed until
+# their helpers were ported to torch's clamped eigendecomposition (2.15 and 2.14.1 edge-value runs).
+KNOWN_DIFFERENT: dict[str, tuple[str, str]] = {}
 _known_live = None
 
 

@@ -995,39 +995,46 @@ def _sylvester_sum_solve(w: torch.Tensor, V: torch.Tensor, Y: torch.Tensor) -> t
 @register
 def linalg_matrix_sqrth_differential(A: torch.Tensor, E: torch.Tensor) -> torch.Tensor:
     """The differential of the principal square root ``S = sqrt(A)`` of a Hermitian positive-
-    definite ``A`` in direction ``E``: the Hermitian part of the X with ``S X + X S = E``. The map is
-    self-adjoint for the real Frobenius inner product, so the same function is the JVP
+    semidefinite ``A`` in direction ``E``: the Hermitian part of the X with ``S X + X S = E``. The map
+    is self-adjoint for the real Frobenius inner product, so the same function is the JVP
     (``E = A_t``, Hermitian: X already is) and the VJP (``E = grad``, any matrix: its Hermitian
     part is what a Hermitian input can take). ``A``'s eigendecomposition reads its lower triangle,
-    as ``matrix_sqrth`` does.
+    as ``matrix_sqrth`` does, and its eigenvalues are clamped at 0 before the square root, as the
+    forward's are: a rounding-negative eigenvalue of a singular ``A`` gives the zero denominator
+    (and torch's inf/NaN pattern) rather than a NaN square root.
 
     Mirrors FunctionsManual ``linalg_matrix_sqrth_differential`` (torch 2.14; ``linalg_matrix_sqrth``).
     """
     lam, Q = torch.linalg.eigh(A)
-    X = _sylvester_sum_solve(lam.sqrt(), Q, E)
+    X = _sylvester_sum_solve(lam.clamp_min(0).sqrt(), Q, E)
     return 0.5 * (X + X.mH)
 
 
 @register
 def linalg_polar_backward(gU, gH, A: torch.Tensor, U: torch.Tensor, H: torch.Tensor):
-    """VJP of the polar decomposition ``A = U H`` (``A`` m x n, m >= n, full column rank; ``U`` with
-    orthonormal columns, ``H = (A^H A)^(1/2)`` Hermitian positive-definite) wrt ``A``.
+    """VJP of the polar decomposition ``A = U H`` (``A`` m x n, m >= n; ``U`` with orthonormal
+    columns, ``H = (A^H A)^(1/2)`` Hermitian positive-semidefinite) wrt ``A``.
 
-    From ``dH = L^-1(dA^H A + A^H dA)`` with ``L(X) = H X + X H`` and ``dU = (dA - U dH) H^-1``:
-    ``gA = gU H^-1 + A L^-1(M + M^H)`` with ``M = gH - U^H gU H^-1``. An undefined ``gU`` / ``gH``
-    is zero; both undefined gives no gradient.
+    With ``L(X) = H X + X H`` and ``C = U^H gU``:
+    ``gA = (I - U U^H) gU H^-1 + U L^-1(C - C^H) + A L^-1(gH + gH^H)`` -- the part of ``gU`` normal
+    to ``U``'s columns, its tangential (skew) part, and the Hermitian part of ``gH``. ``H^-1`` and
+    ``L^-1`` both come from one eigendecomposition of ``H`` whose eigenvalues are clamped at 0, so
+    a singular or rank-deficient ``A`` gives torch's result (finite where the projections cancel,
+    inf/NaN where a zero eigenvalue is divided by) instead of a differently rounded one. An
+    undefined ``gU`` / ``gH`` contributes nothing; both undefined gives no gradient.
 
     Mirrors FunctionsManual ``linalg_polar_backward`` (torch 2.14; ``linalg_polar``).
     """
     if gU is None and gH is None:
         return None
     w, V = torch.linalg.eigh(H)
-    Hinv = (V * (1 / w).to(V.dtype).unsqueeze(-2)) @ V.mH
-    M = gH if gH is not None else torch.zeros_like(H)
+    w = w.clamp_min(0)
     gA = None
     if gU is not None:
-        gUHinv = gU @ Hinv
-        M = M - U.mH @ gUHinv
-        gA = gUHinv
-    term = A @ _sylvester_sum_solve(w, V, M + M.mH)
-    return term if gA is None else gA + term
+        C = U.mH @ gU
+        normal = ((gU - U @ C) @ V / w.unsqueeze(-2).to(V.dtype)) @ V.mH  # (I - U U^H) gU H^-1
+        gA = normal + U @ _sylvester_sum_solve(w, V, C - C.mH)
+    if gH is not None:
+        term = A @ _sylvester_sum_solve(w, V, gH + gH.mH)
+        gA = term if gA is None else gA + term
+    return gA

@@ -61,6 +61,41 @@ def test_linalg_matrix_sqrth_differential_is_the_jvp_and_the_vjp(dtype):
     assert_close(_inner(G, dS), _inner(f(A, G), E))
 
 
+def _with_eigenvalues(lam, dtype, seed=0):
+    """Q diag(lam) Q^H for a random unitary Q (exactly Hermitian)."""
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(len(lam), len(lam), dtype=dtype, generator=g))
+    M = (Q * torch.tensor(lam, dtype=dtype)) @ Q.mH
+    return 0.5 * (M + M.mH)
+
+
+@pytest.mark.parametrize("dtype", [D, C])
+def test_singular_inputs_clamp_eigenvalues_at_zero_as_torch_does(dtype):
+    """A singular PSD matrix whose smallest eigenvalue rounds negative: torch's nodes clamp it at 0
+    (inf where the zero eigenvalue is divided by, finite elsewhere), never take a NaN square root or
+    a negative inverse. Found by the 2.15 edge-value run (rank-deficient, tied, subnormal inputs)."""
+    neg = _with_eigenvalues([-1e-13, 1.0, 4.0], dtype)
+    zero = _with_eigenvalues([0.0, 1.0, 4.0], dtype)
+    assert torch.linalg.eigvalsh(neg)[0] < 0
+    E = torch.randn(3, 3, dtype=dtype)
+    f = HELPERS["linalg_matrix_sqrth_differential"]
+    if dtype == D:  # the zero eigenvalue's 1/0 spreads as +-inf; an unclamped sqrt would be NaN
+        assert f(neg, E).isinf().all()
+    # polar: H's rounding-negative eigenvalue is inverted as 0, as torch does, not as -1e-13
+    U, _ = torch.linalg.qr(torch.randn(5, 3, dtype=dtype))
+    gU, gH = torch.randn(5, 3, dtype=dtype), torch.randn(3, 3, dtype=dtype)
+    pb = HELPERS["linalg_polar_backward"]
+    if dtype == D:  # 1/0 (inf, and 0/0 on the skew part's zero diagonal: NaN), where the unclamped
+        assert not pb(gU, gH, U @ neg, U, neg).isfinite().any()  # 1/(-1e-13) gives finite -1e13s
+    # inside the domain the clamp changes nothing: the SVD formulation's grads there
+    pd = _with_eigenvalues([0.5, 1.0, 4.0], dtype)
+    a = (U @ pd).requires_grad_()
+    W, S, Vh = torch.linalg.svd(a, full_matrices=False)
+    u, h = W @ Vh, Vh.mH @ (S.unsqueeze(-1).to(dtype) * Vh)
+    (want,) = torch.autograd.grad(_inner(gU, u) + _inner(gH, h), a)
+    assert_close(pb(gU, gH, U @ pd, u.detach(), h.detach()), want)
+
+
 @pytest.mark.parametrize("drop", [None, "mean", "rstd", "both"])
 def test_native_group_norm_backward_dispatcher_matches_eager_group_norm(drop):
     N, Cc, HxW, G, eps = 2, 6, 5, 3, 1e-5
