@@ -393,22 +393,48 @@ def infinitely_differentiable_native_rms_norm_backward(
 @register
 def native_group_norm_backward_dispatcher(dY, dmean, drstd, X, mean, rstd, gamma, N, C, HxW, group, grad_input_mask):
     """VJP of ``native_group_norm`` wrt ``(input, weight, bias)`` when a higher-order gradient is
-    needed or mean/rstd receive gradients, written with differentiable ops: the values of
+    needed or mean/rstd receive gradients.
+
+    With grad mode on (a create_graph backward): differentiable ops, the values of
     :func:`infinitely_differentiable_native_group_norm_backward` (which never reads ``eps``; this
     signature has none), except that a gradient of ``mean`` or of ``rstd`` alone contributes to
-    ``dX`` (the other one counts as zero) where 2.12/2.13 drop it unless both are given, and that
-    with grad mode off an undefined ``dY`` counts as zero (so ``dgamma``/``dbeta`` come back as
-    zeros, not undefined, as the C++ node's non-differentiable path returns them).
+    ``dX`` (the other one counts as zero) where 2.12/2.13 drop it unless both are given.
+
+    With grad mode off: ``dY``'s part from the native kernel (``native_group_norm_backward``, which
+    accumulates float16/bfloat16 in float32) and the stats' parts added to ``dX`` -- each given one
+    on its own, an undefined one contributing nothing (not zeros: ``rstd**3`` overflows float16 at
+    a constant group). An undefined ``dY`` gives zeros for ``dgamma``/``dbeta``, as the C++ node
+    returns them. Bit-for-bit what 2.14.1's and 2.15.0's nodes return for float16 / bfloat16 inputs
+    and edge values, where the all-differentiable formula rounds differently or overflows (their
+    edge-value runs; float32/float64 agree either way).
 
     Mirrors FunctionsManual ``native_group_norm_backward_dispatcher`` (torch 2.14's group-norm
     entry; 2.12/2.13 call ``infinitely_differentiable_native_group_norm_backward`` directly).
     """
-    if dY is None and not torch.is_grad_enabled():
-        dY = torch.zeros_like(X)
-    if dmean is not None and drstd is None:
-        drstd = torch.zeros_like(rstd)
-    elif drstd is not None and dmean is None:
-        dmean = torch.zeros_like(mean)
-    return infinitely_differentiable_native_group_norm_backward(
-        dY, dmean, drstd, X, mean, rstd, gamma, N, C, HxW, group, None, grad_input_mask
-    )
+    if torch.is_grad_enabled():
+        if dmean is not None and drstd is None:
+            drstd = torch.zeros_like(rstd)
+        elif drstd is not None and dmean is None:
+            dmean = torch.zeros_like(mean)
+        return infinitely_differentiable_native_group_norm_backward(
+            dY, dmean, drstd, X, mean, rstd, gamma, N, C, HxW, group, None, grad_input_mask
+        )
+    dX = dgamma = dbeta = None
+    if dY is not None:
+        dX, dgamma, dbeta = torch.ops.aten.native_group_norm_backward(
+            dY, X, mean, rstd, gamma, N, C, HxW, group, list(grad_input_mask)
+        )
+    elif gamma is not None:
+        dgamma = torch.zeros_like(gamma) if grad_input_mask[1] else None
+        dbeta = torch.zeros_like(gamma) if grad_input_mask[2] else None
+    if grad_input_mask[0] and (dmean is not None or drstd is not None):
+        G = group
+        X_tensor = X.reshape(N, G, C // G, HxW)
+        dvar = None
+        if drstd is not None:
+            r = rstd.reshape(N, G, 1, 1)
+            dvar = -0.5 * (r * r * r) * drstd.view(N, G, 1, 1)
+        dm = dmean.view(N, G, 1, 1) if dmean is not None else None
+        stats = _var_mean_backward_keepdim(dvar, dm, X_tensor, (2, 3), 0).reshape_as(X)
+        dX = stats if dX is None else dX + stats
+    return dX, dgamma, dbeta

@@ -428,26 +428,59 @@ def _bessel_i1_backward(grad, self, result, i0_fn, sgn_term: bool):
     return grad * torch.where(not_tiny, gradx, torch.full((), 0.5, dtype=self.dtype, device=self.device))
 
 
-@register
+def _bessel_i1_backward_215(grad, self, result, i0_fn, sgn_term: bool):
+    # 2.15: every floating dtype, computed in it (float16 / bfloat16 too), and the limit 0.5 only
+    # where |x| <= eps, so a NaN input takes the formula (NaN) instead of the limit
+    eps = torch.finfo(self.dtype).eps
+    tiny = self.abs() <= eps
+    safe = torch.where(tiny, torch.full((), eps, dtype=self.dtype, device=self.device), self)
+    inv = safe.reciprocal()
+    gradx = i0_fn(safe) - result * ((safe.sgn() + inv) if sgn_term else inv)
+    return grad * torch.where(tiny, torch.full((), 0.5, dtype=self.dtype, device=self.device), gradx)
+
+
+@register("i1_backward", torch="<2.15")
 def i1_backward(grad: torch.Tensor, self: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """VJP of ``special.i1``: ``grad * (i0(x) - i1(x) / x)``, with the limit 0.5 for ``|x| <= eps``.
+    """VJP of ``special.i1``: ``grad * (i0(x) - i1(x) / x)``, with the limit 0.5 for ``|x| <= eps``
+    (and for NaN: the formula is taken only where ``|x| > eps``).
 
     Only float32/float64 (``RuntimeError`` otherwise, like the C++ dispatch).
 
-    Mirrors FunctionsManual ``i1_backward``.
+    Mirrors FunctionsManual ``i1_backward`` up to torch 2.14 (2.15: :func:`i1_backward_215`).
     """
     return _bessel_i1_backward(grad, self, result, torch.i0, sgn_term=False)
 
 
-@register
+@register("i1_backward", torch=">=2.15")
+def i1_backward_215(grad: torch.Tensor, self: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """VJP of ``special.i1`` (and ``special.modified_bessel_i1``) from torch 2.15: the same formula
+    and limit, for every floating dtype, with NaN where the input is NaN.
+
+    Mirrors FunctionsManual ``i1_backward`` of torch 2.15 (found by its edge-value run: float16 /
+    bfloat16 inputs, NaN inputs; bit-exact against its live nodes in every floating dtype).
+    """
+    return _bessel_i1_backward_215(grad, self, result, torch.i0, sgn_term=False)
+
+
+@register("i1e_backward", torch="<2.15")
 def i1e_backward(grad: torch.Tensor, self: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """VJP of ``special.i1e``: ``grad * (i0e(x) - i1e(x) * (sgn(x) + 1/x))``, 0.5 for ``|x| <= eps``.
+    """VJP of ``special.i1e``: ``grad * (i0e(x) - i1e(x) * (sgn(x) + 1/x))``, 0.5 for ``|x| <= eps``
+    (and NaN).
 
     Only float32/float64 (``RuntimeError`` otherwise).
 
-    Mirrors FunctionsManual ``i1e_backward``.
+    Mirrors FunctionsManual ``i1e_backward`` up to torch 2.14 (2.15: :func:`i1e_backward_215`).
     """
     return _bessel_i1_backward(grad, self, result, torch.special.i0e, sgn_term=True)
+
+
+@register("i1e_backward", torch=">=2.15")
+def i1e_backward_215(grad: torch.Tensor, self: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """VJP of ``special.i1e`` from torch 2.15: as before for every floating dtype, NaN at NaN.
+
+    Mirrors FunctionsManual ``i1e_backward`` of torch 2.15.
+    """
+    return _bessel_i1_backward_215(grad, self, result, torch.special.i0e, sgn_term=True)
 
 
 @register("bessel_j1_backward", torch=">=2.15")

@@ -167,3 +167,40 @@ def test_native_group_norm_backward_dispatcher_without_dY_under_no_grad_gives_ze
         )
     assert_close(dX, want)
     assert_close((dw, db), (torch.zeros_like(w), torch.zeros_like(w)))
+
+
+@pytest.mark.parametrize("drop", [None, "mean", "rstd", "dY"])
+def test_native_group_norm_backward_dispatcher_under_no_grad_is_the_native_kernel_plus_the_stats(drop):
+    """With grad mode off (a first-order backward) the dispatcher takes dY's part from the native
+    kernel and adds each given stats grad on its own: in float64 the same values as the
+    differentiable path; in float16 close to the float64 values, and finite for a constant group
+    and an rstd grad absent, where filling it with zeros gives 0 * rstd**3 = 0 * inf = NaN."""
+    N, Cc, HxW, G, eps = 2, 6, 5, 3, 1e-5
+    f = HELPERS["native_group_norm_backward_dispatcher"]
+    x, w = torch.randn(N, Cc, HxW, dtype=D), torch.randn(Cc, dtype=D)
+    x[1] = 0.25  # a constant sample: rstd = eps**-0.5 = 316, whose cube overflows float16
+    _, mean, rstd = torch.native_group_norm(x, w, None, N, Cc, HxW, G, eps)
+    dy, dmean, drstd = torch.randn_like(x), torch.randn_like(mean), torch.randn_like(rstd)
+    dy, dmean, drstd = (None if drop == "dY" else dy), (None if drop == "mean" else dmean), (None if drop == "rstd" else drstd)
+    mask = (True, True, True)
+    want = f(dy, dmean, drstd, x, mean, rstd, w, N, Cc, HxW, G, mask)  # grad mode on: differentiable
+    with torch.no_grad():
+        got = f(dy, dmean, drstd, x, mean, rstd, w, N, Cc, HxW, G, mask)
+    if drop == "dY":  # no dY: zero weight/bias grads under no_grad, none from the differentiable path
+        assert want[1] is None and torch.equal(got[1], torch.zeros_like(w)) and torch.equal(got[2], got[1])
+        want, got = want[:1], got[:1]
+    assert_close(got, want)
+    h = torch.float16
+    half = lambda t: None if t is None else t.to(h)  # noqa: E731
+    xh = x.to(h)
+    _, mh, rh = torch.native_group_norm(xh, w.to(h), None, N, Cc, HxW, G, eps)
+    with torch.no_grad():
+        gh = f(half(dy), half(dmean), half(drstd), xh, mh, rh, w.to(h), N, Cc, HxW, G, mask)
+    ref = f(dy, dmean, drstd, xh.double(), mh.double(), rh.double(), w.to(h).double(), N, Cc, HxW, G, mask)
+    if drop == "rstd":  # only the mean's grad: finite in the constant sample too
+        assert torch.isfinite(gh[0]).all()
+    # (with an rstd grad the constant sample's dX is inf * 0 = NaN in float16, in torch's node too)
+    assert_close(gh[0][0].double(), ref[0][0], rtol=2e-2, atol=2e-2)
+    for a, b in zip(gh[1:], ref[1:]):
+        if b is not None:
+            assert_close(a.double(), b, rtol=2e-2, atol=5e-2)

@@ -72,3 +72,28 @@ def test_bessel_helpers_are_registered_for_2_15_on_only():
         helper_for(name, "2.16.0")
         with pytest.raises(KeyError):
             helper_for(name, "2.14.1")
+
+
+@pytest.mark.parametrize("name,fwd,i0", [("i1_backward", torch.special.i1, torch.special.i0),
+                                         ("i1e_backward", torch.special.i1e, torch.special.i0e)])
+def test_i1_backward_215_takes_every_floating_dtype_and_keeps_nan(name, fwd, i0):
+    """2.15's i1_backward / i1e_backward: float16 and bfloat16 accepted (2.14 raises), NaN at a NaN
+    input (2.14: the limit 0.5), otherwise 2.14's values."""
+    old, new = helper_for(name, "2.14.1"), helper_for(name, "2.15.0")
+    x = torch.tensor([0.0, 1e-300, -2.0, 0.7, 3.0, 40.0, math.inf, -math.inf, math.nan], dtype=D)
+    g = torch.randn_like(x)
+    a, b = old(g, x, fwd(x)), new(g, x, fwd(x))
+    assert_close(b[:-1], a[:-1], equal_nan=True)
+    assert a[-1] == 0.5 * g[-1] and math.isnan(b[-1].item())
+    # the derivative itself, from the recurrence I1' = I0 - I1/x (scaled: I1e' = I0e - I1e (sgn + 1/x))
+    xs = x[2:6]
+    want = i0(xs) - fwd(xs) * ((xs.sgn() + 1 / xs) if name == "i1e_backward" else 1 / xs)
+    assert_close(new(torch.ones_like(xs), xs, fwd(xs)), want)
+    for dt in (torch.float16, torch.bfloat16):
+        with pytest.raises(RuntimeError, match="not implemented"):
+            old(g.to(dt), x.to(dt), fwd(x.to(dt)))
+        xl = torch.tensor([0.0, 1e-4, -2.0, 0.5, 3.0], dtype=dt)  # 1e-4 <= eps of both: the limit 0.5
+        out = new(torch.ones_like(xl), xl, fwd(xl))
+        assert out.dtype == dt and out[0] == 0.5 and out[1] == 0.5
+        assert_close(out[2:].double(), new(torch.ones(3, dtype=D), xl[2:].double(), fwd(xl[2:].double())),
+                     rtol=2e-2, atol=2e-2)
