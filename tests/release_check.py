@@ -111,6 +111,8 @@ def main(argv=None) -> int:
         f"{len(ca_results)} classes reached, {len(ca_stats['vjpgen'])} bound to vjpgen's kernel, "
         f"{len(ca_stats['torch_kernel'])} kept torch's, {len(ca_bad)} mismatched or raised"
     )
+    for n in sorted(ca_stats["torch_kernel"]):  # every class left on torch's kernel, with its reason
+        print(f"  kept torch's kernel: {n} ({ca_stats.get('reasons', {}).get(n, 'no reason recorded')})")
     for line in ca_bad[:20]:
         print("  " + line)
     clamp_ok = _clamp_ties_end_to_end()
