@@ -290,7 +290,8 @@ def _grid_sampler_double_backward(
     (ignored for nearest interpolation, whose grid gradient is identically zero) it
     contributes the directional derivative ``k = d sample(input, grid)[ggGrid]`` to gO and
     the transposed derivatives of ``k`` w.r.t. input and grid (via ``torch.func`` on a
-    differentiable composite of the sampler).
+    differentiable composite of the sampler; ``k`` as the VJP of the sampler's VJP, which is linear
+    in its cotangent, so no forward-mode AD is loaded).
     """
     if interpolation_mode == _NEAREST:
         ggGrid = None
@@ -304,11 +305,13 @@ def _grid_sampler_double_backward(
             )[1]
     if ggGrid is not None and any(output_mask):
 
-        def k(inp, g):
+        def k(inp, g):  # the JVP of the sampler in ggGrid, as the VJP of its (linear) VJP: no forward AD
             def f(gg):
                 return _grid_sample_fn(inp, gg, interpolation_mode, padding_mode, align_corners)
 
-            return torch.func.jvp(f, (g,), (ggGrid,))[1]
+            out, f_vjp = torch.func.vjp(f, g)
+            _, t_vjp = torch.func.vjp(lambda u: f_vjp(u)[0], torch.zeros_like(out))
+            return t_vjp(ggGrid)[0]
 
         k_val, k_vjp = torch.func.vjp(k, input, grid)
         k_input, k_grid = k_vjp(grad_output)
