@@ -294,6 +294,15 @@ def _var_mean_backward_keepdim(gvar, gmean, x, dims, correction):
     return g
 
 
+def _group_norm_stats_dX(dmean, drstd, X_tensor, rstd_cube, N, G):
+    """The part of group norm's ``dX`` (shaped ``(N, G, C // G, HxW)``) that the grads of ``mean``
+    and ``rstd`` give, either of them None (contributing nothing): ``rstd = (var + eps)^-1/2``, so
+    ``dvar = -rstd^3 / 2 * drstd``."""
+    dvar = -0.5 * rstd_cube * drstd.view(N, G, 1, 1) if drstd is not None else None
+    dm = dmean.view(N, G, 1, 1) if dmean is not None else None
+    return _var_mean_backward_keepdim(dvar, dm, X_tensor, (2, 3), 0)
+
+
 @register
 def infinitely_differentiable_native_group_norm_backward(
     dY, dmean, drstd, X, mean, rstd, gamma, N, C, HxW, group, eps, grad_input_mask
@@ -323,7 +332,6 @@ def infinitely_differentiable_native_group_norm_backward(
     if grad_input_mask[0]:
         gamma_tensor = gamma.reshape(1, G, D, 1) if gamma is not None else None
         rstd_cube = rstd_tensor * rstd_tensor * rstd_tensor
-        dvar = -0.5 * rstd_cube * drstd.view(N, G, 1, 1) if drstd is not None else None
         stats_grad = dmean is not None and drstd is not None
         if dY is not None:
             a = rstd_tensor * gamma_tensor if gamma is not None else rstd_tensor
@@ -333,10 +341,10 @@ def infinitely_differentiable_native_group_norm_backward(
             c = -b * mean_tensor - c * rstd_tensor * s
             dX = a * dY_tensor + b * X_tensor + c
             if stats_grad:
-                dX = dX + _var_mean_backward_keepdim(dvar, dmean.view(N, G, 1, 1), X_tensor, (2, 3), 0)
+                dX = dX + _group_norm_stats_dX(dmean, drstd, X_tensor, rstd_cube, N, G)
             dX = dX.reshape_as(X)
         elif stats_grad:
-            dX = _var_mean_backward_keepdim(dvar, dmean.view(N, G, 1, 1), X_tensor, (2, 3), 0).reshape_as(X)
+            dX = _group_norm_stats_dX(dmean, drstd, X_tensor, rstd_cube, N, G).reshape_as(X)
     if grad_input_mask[1] and dY is not None:
         dgamma = ((ds - db * mean_tensor) * rstd_tensor).sum(0).reshape_as(gamma)
     if grad_input_mask[2] and dY is not None:
@@ -428,13 +436,8 @@ def native_group_norm_backward_dispatcher(dY, dmean, drstd, X, mean, rstd, gamma
         dgamma = torch.zeros_like(gamma) if grad_input_mask[1] else None
         dbeta = torch.zeros_like(gamma) if grad_input_mask[2] else None
     if grad_input_mask[0] and (dmean is not None or drstd is not None):
-        G = group
-        X_tensor = X.reshape(N, G, C // G, HxW)
-        dvar = None
-        if drstd is not None:
-            r = rstd.reshape(N, G, 1, 1)
-            dvar = -0.5 * (r * r * r) * drstd.view(N, G, 1, 1)
-        dm = dmean.view(N, G, 1, 1) if dmean is not None else None
-        stats = _var_mean_backward_keepdim(dvar, dm, X_tensor, (2, 3), 0).reshape_as(X)
+        r = rstd.reshape(N, group, 1, 1)
+        X_tensor = X.reshape(N, group, C // group, HxW)
+        stats = _group_norm_stats_dX(dmean, drstd, X_tensor, r * r * r, N, group).reshape_as(X)
         dX = stats if dX is None else dX + stats
     return dX, dgamma, dbeta

@@ -417,26 +417,19 @@ def sinc_backward(grad: torch.Tensor, self: torch.Tensor) -> torch.Tensor:
     return torch.where(self_squared_pi == 0.0, _zero_scalar(grad), out)
 
 
-def _bessel_i1_backward(grad, self, result, i0_fn, sgn_term: bool):
-    if self.dtype not in (torch.float32, torch.float64):
+def _bessel_i1_backward(grad, self, result, i0_fn, sgn_term: bool, nan_to_nan: bool = False):
+    """``grad * (i0(x) - i1(x) * (sgn(x) + 1/x))`` (``sgn_term``) or ``grad * (i0(x) - i1(x)/x)``,
+    with the limit 0.5 near 0. Up to torch 2.14: float32/float64 only, and the formula only where
+    ``|x| > eps`` (a NaN input takes the limit). ``nan_to_nan`` (2.15): every floating dtype,
+    computed in it, and the limit only where ``|x| <= eps`` (a NaN input gives NaN)."""
+    if not nan_to_nan and self.dtype not in (torch.float32, torch.float64):
         raise RuntimeError(f"\"i1_backward\" not implemented for '{self.dtype}'")
     eps = torch.finfo(self.dtype).eps
-    not_tiny = self.abs() > eps
-    safe = torch.where(not_tiny, self, torch.full((), eps, dtype=self.dtype, device=self.device))
+    at_limit = self.abs() <= eps if nan_to_nan else ~(self.abs() > eps)
+    safe = torch.where(at_limit, torch.full((), eps, dtype=self.dtype, device=self.device), self)
     inv = safe.reciprocal()
     gradx = i0_fn(safe) - result * ((safe.sgn() + inv) if sgn_term else inv)
-    return grad * torch.where(not_tiny, gradx, torch.full((), 0.5, dtype=self.dtype, device=self.device))
-
-
-def _bessel_i1_backward_215(grad, self, result, i0_fn, sgn_term: bool):
-    # 2.15: every floating dtype, computed in it (float16 / bfloat16 too), and the limit 0.5 only
-    # where |x| <= eps, so a NaN input takes the formula (NaN) instead of the limit
-    eps = torch.finfo(self.dtype).eps
-    tiny = self.abs() <= eps
-    safe = torch.where(tiny, torch.full((), eps, dtype=self.dtype, device=self.device), self)
-    inv = safe.reciprocal()
-    gradx = i0_fn(safe) - result * ((safe.sgn() + inv) if sgn_term else inv)
-    return grad * torch.where(tiny, torch.full((), 0.5, dtype=self.dtype, device=self.device), gradx)
+    return grad * torch.where(at_limit, torch.full((), 0.5, dtype=self.dtype, device=self.device), gradx)
 
 
 @register("i1_backward", torch="<2.15")
@@ -459,7 +452,7 @@ def i1_backward_215(grad: torch.Tensor, self: torch.Tensor, result: torch.Tensor
     Mirrors FunctionsManual ``i1_backward`` of torch 2.15 (found by its edge-value run: float16 /
     bfloat16 inputs, NaN inputs; bit-exact against its live nodes in every floating dtype).
     """
-    return _bessel_i1_backward_215(grad, self, result, torch.i0, sgn_term=False)
+    return _bessel_i1_backward(grad, self, result, torch.i0, sgn_term=False, nan_to_nan=True)
 
 
 @register("i1e_backward", torch="<2.15")
@@ -480,7 +473,7 @@ def i1e_backward_215(grad: torch.Tensor, self: torch.Tensor, result: torch.Tenso
 
     Mirrors FunctionsManual ``i1e_backward`` of torch 2.15.
     """
-    return _bessel_i1_backward_215(grad, self, result, torch.special.i0e, sgn_term=True)
+    return _bessel_i1_backward(grad, self, result, torch.special.i0e, sgn_term=True, nan_to_nan=True)
 
 
 @register("bessel_j1_backward", torch=">=2.15")
