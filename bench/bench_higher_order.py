@@ -148,8 +148,8 @@ def bench_workload(name, sizes, backend, reps, with_peers=True, profile=True):
         )
     except Exception as e:  # the profiler is not available everywhere
         row["peak_error"] = _first_line(e)
-    row["mm_eager"] = matmul_profile(eager, max(3, reps // 3))
-    row["mm_vjpgen"] = matmul_profile(vjp, max(3, reps // 3), python_wrapper=backend == "inductor")
+    row["mm_eager"] = matmul_profile(eager, _mm_reps(reps))
+    row["mm_vjpgen"] = matmul_profile(vjp, _mm_reps(reps), python_wrapper=backend == "inductor")
     if profile:
         row["phases_eager"] = phases(step, args, params, reps)
         row["phases_vjpgen"] = phases(step, args, params, reps, lambda: rt.compiled_autograd(backend=backend))
@@ -158,6 +158,11 @@ def bench_workload(name, sizes, backend, reps, with_peers=True, profile=True):
 
 
 _MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _mm_reps(reps: int) -> int:
+    """How many steps matmul_profile profiles (one at a time)."""
+    return max(3, reps // 3)
 
 
 def matmul_profile(fn, reps, python_wrapper=False) -> dict:
@@ -334,8 +339,8 @@ def report(rows, jax_ms, backend, threads, reps) -> str:
         "",
         "## Matmuls",
         "",
-        "Per step (the profiled step whose matmuls took least, of 10), torch.profiler: the matmul calls (aten mm / addmm / bmm, forward included) and their self "
-        "time; vjpgen's graphs recompiled with Inductor's Python wrapper for this measurement so that the "
+        f"Per step (the profiled step whose matmuls took least, of {_mm_reps(reps)}), torch.profiler: the matmul "
+        "calls (aten mm / addmm / bmm / baddbmm, forward included) and their self time; vjpgen's graphs recompiled with Inductor's Python wrapper for this measurement so that the "
         "profiler sees their extern matmul calls. *Floor*: vjpgen's matmul time over eager's step, which "
         "no cut of vjpgen's own overhead goes below.",
         "",

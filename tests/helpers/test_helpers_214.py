@@ -75,7 +75,6 @@ def test_singular_inputs_clamp_eigenvalues_at_zero_as_torch_does(dtype):
     (inf where the zero eigenvalue is divided by, finite elsewhere), never take a NaN square root or
     a negative inverse. Found by the 2.15 edge-value run (rank-deficient, tied, subnormal inputs)."""
     neg = _with_eigenvalues([-1e-13, 1.0, 4.0], dtype)
-    zero = _with_eigenvalues([0.0, 1.0, 4.0], dtype)
     assert torch.linalg.eigvalsh(neg)[0] < 0
     E = torch.randn(3, 3, dtype=dtype)
     f = HELPERS["linalg_matrix_sqrth_differential"]

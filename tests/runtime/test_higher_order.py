@@ -58,6 +58,7 @@ def test_backward_create_graph_warns_as_eager_does():
         assert rt.stats()["backward_calls"] == before + 1, name  # through vjpgen, not eager
         assert [r.filename for r in rec] == [__file__], name  # names the user's line
     # grad(create_graph=True) warns in neither
+    was = torch.is_warn_always_enabled()
     torch.set_warn_always(True)
     try:
         with warnings.catch_warnings(record=True) as rec:
@@ -65,7 +66,7 @@ def test_backward_create_graph_warns_as_eager_does():
             torch.autograd.grad(_energy(x, w1, w2), w1, create_graph=True)
             rt.grad(_energy(x, w1, w2), w1, create_graph=True, backend=BK)
     finally:
-        torch.set_warn_always(False)
+        torch.set_warn_always(was)
     assert not [r for r in rec if "reference cycle" in str(r.message)]
 
 
