@@ -386,6 +386,11 @@ int64_t saved_hook_key_py(pybind11::handle node) {
 //       an invalid edge), as the generated get_saved reads `_state.dtype_of(meta)`
 //   ("out", d, nr, dtype, device, ndim): input nr of nodes[d] has this dtype, device and rank
 //       (plain metadata: not nested, no subclass, no symbolic size); its sizes are appended to I
+//   ("options", edge, dtype, device) / ("options", edge, None, None): the TensorOptions the
+//       generated get_saved reads as `_state.options_of(meta)` (strided), or an invalid edge
+//   ("list_sizes", ranks, dim member or None): the sizes of a Tensor[] input's tensors (cat: one
+//       invalid edge's recovered from the output), appended to I; "nedges", "list_dtypes",
+//       "layout", "value": see the constructor
 //   ("py", fn): fn(nodes, metas, buf, T, I) is True (a node the program cannot read natively)
 // and at the end the tensors of T are distinct objects (no new aliasing), len(T) == n_tensors.
 namespace native_gather {
@@ -395,7 +400,7 @@ using torch::autograd::SavedVariable;
 
 enum OpKind {
   kGradNone, kGradTensor, kNode, kSavedTensor, kSavedNone, kMetaDtype, kOut, kPy, kValue, kLayout,
-  kNEdges, kListDtypes, kListSizes
+  kNEdges, kListDtypes, kListSizes, kOptions
 };
 
 // how a plain saved value is expected to read in Python (the type its getter returns)
@@ -565,6 +570,33 @@ class Program {
             op.ints.push_back(k == "list_dtypes" ? scalar_of(x) : x.cast<int64_t>());
           }
           op.a = static_cast<int64_t>(op.ints.size());
+          // ("list_sizes", ranks, dim member or None): with cat's dim member (an int64_t) one
+          // invalid edge's sizes are recovered from the output, as _state.list_sizes(cat_dim=)
+          if (k == "list_sizes" && t.size() > 2 && !t[2].is_none()) {
+            std::string name = pybind11::str(t[2]);
+            if (fields != nullptr) {
+              for (const auto& f : fields->fields) {
+                if (f.kind == saved_state::kInt && name == f.name) {
+                  op.field = &f;
+                }
+              }
+            }
+            if (op.field == nullptr) {
+              throw pybind11::key_error(name);
+            }
+          }
+        }
+      } else if (k == "options") {
+        // ("options", edge, dtype, device) / ("options", edge, None, None): _state.options_of(meta)
+        // of a plain input (its dtype and device, strided), or of an invalid edge (None)
+        op.kind = kOptions;
+        op.a = t[1].cast<int64_t>();
+        op.scalar = scalar_of(t[2]);
+        if (op.scalar >= 0) {
+          if (!THPDevice_Check(t[3].ptr())) {
+            throw pybind11::type_error("vjpgen native.Gather: an options op needs a device");
+          }
+          op.device = reinterpret_cast<THPDevice*>(t[3].ptr())->device;
         }
       } else if (k == "py") {
         op.kind = kPy;
@@ -732,8 +764,7 @@ class Program {
           }
           break;
         }
-        case kListDtypes:
-        case kListSizes: {
+        case kListDtypes: {
           if (cur == nullptr || static_cast<int64_t>(cur->num_outputs()) != op.a) {
             return pybind11::none();
           }
@@ -745,39 +776,40 @@ class Program {
                 return pybind11::none();
               }
               md = &e.function->input_metadata(e.input_nr);
-            } else if (op.kind == kListDtypes && cur->num_inputs() > 0) {
+            } else if (cur->num_inputs() > 0) {
               md = &cur->input_metadata(0);  // the output's dtype stands in
             }
-            if (md == nullptr || md->was_default_constructed()) {
+            if (md == nullptr || md->was_default_constructed() ||
+                static_cast<int>(c10::typeMetaToScalarType(md->dtype())) != op.ints[k]) {
               return pybind11::none();
             }
-            if (op.kind == kListDtypes) {
-              if (static_cast<int>(c10::typeMetaToScalarType(md->dtype())) != op.ints[k]) {
-                return pybind11::none();
-              }
-              continue;
-            }
-            if (md->is_nested_tensor() || md->is_tensor_subclass()) {
+          }
+          break;
+        }
+        case kListSizes: {
+          if (cur == nullptr || !list_sizes(op, cur, il)) {
+            return pybind11::none();
+          }
+          break;
+        }
+        case kOptions: {
+          if (cur == nullptr || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+            return pybind11::none();
+          }
+          const auto& e = cur->next_edge(static_cast<size_t>(op.a));
+          if (!e.is_valid()) {
+            if (op.scalar != -1) {
               return pybind11::none();
             }
-            auto shape = md->shape_as_dim_vector();
-            if (static_cast<int64_t>(shape.size()) != op.ints[k]) {
-              return pybind11::none();
-            }
-            for (const auto& d : shape) {
-              if (d.is_heap_allocated()) {
-                return pybind11::none();
-              }
-              PyObject* x = PyLong_FromLongLong(d.as_int_unchecked());
-              if (x == nullptr) {
-                throw pybind11::error_already_set();
-              }
-              int rc = PyList_Append(il, x);
-              Py_DECREF(x);
-              if (rc != 0) {
-                throw pybind11::error_already_set();
-              }
-            }
+            break;
+          }
+          if (op.scalar == -1 || e.input_nr >= e.function->num_inputs()) {
+            return pybind11::none();
+          }
+          const auto& md = e.function->input_metadata(e.input_nr);
+          if (md.was_default_constructed() || md.is_nested_tensor() ||
+              static_cast<int>(c10::typeMetaToScalarType(md.dtype())) != op.scalar || md.device() != op.device) {
+            return pybind11::none();
           }
           break;
         }
@@ -883,6 +915,88 @@ class Program {
         append_int(il, op, x);
       } else if (x != op.ints[k]) {
         return false;
+      }
+    }
+    return true;
+  }
+  // The sizes of each tensor of a Tensor[] input (_state.list_sizes), appended to I: from the
+  // edges' metadata; with cat's dim member (op.field) one invalid edge's from the output's sizes,
+  // which along dim take what the others leave (1-D empty inputs, which cat skips, leave nothing
+  // unless the output is 1-D). False where the Python reading would differ or raise.
+  static bool list_sizes(const Op& op, Node* cur, PyObject* il) {
+    if (static_cast<int64_t>(cur->num_outputs()) != op.a) {
+      return false;
+    }
+    std::vector<c10::SymDimVector> shapes(static_cast<size_t>(op.a));
+    int64_t missing = -1;
+    for (int64_t k = 0; k < op.a; ++k) {
+      const auto& e = cur->next_edge(static_cast<size_t>(k));
+      if (!e.is_valid()) {
+        if (op.field == nullptr || missing >= 0) {
+          return false;
+        }
+        missing = k;
+        continue;
+      }
+      if (e.input_nr >= e.function->num_inputs()) {
+        return false;
+      }
+      const auto& md = e.function->input_metadata(e.input_nr);
+      if (md.was_default_constructed() || md.is_nested_tensor() || md.is_tensor_subclass()) {
+        return false;
+      }
+      auto sh = md.shape_as_dim_vector();
+      shapes[k].assign(sh.begin(), sh.end());
+    }
+    if (missing >= 0) {
+      if (cur->num_inputs() == 0) {
+        return false;
+      }
+      const auto& om = cur->input_metadata(0);
+      if (om.was_default_constructed() || om.is_nested_tensor() || om.is_tensor_subclass()) {
+        return false;
+      }
+      auto om_shape = om.shape_as_dim_vector();
+      c10::SymDimVector out(om_shape.begin(), om_shape.end());
+      const int64_t n = static_cast<int64_t>(out.size());
+      int64_t d = cur->*(op.field->int64);
+      if (d < 0) {
+        d += n;
+      }
+      if (d < 0 || d >= n) {
+        return false;
+      }
+      c10::SymInt used = 0;
+      for (int64_t k = 0; k < op.a; ++k) {
+        const auto& s = shapes[k];
+        if (k == missing || (s.size() == 1 && s[0] == 0 && n != 1)) {
+          continue;
+        }
+        if (static_cast<int64_t>(s.size()) <= d) {
+          return false;  // the Python reading raises (IndexError): its path reports it
+        }
+        used = used + s[d];
+      }
+      out[d] = out[d] - used;
+      shapes[missing] = out;
+    }
+    for (int64_t k = 0; k < op.a; ++k) {
+      if (static_cast<int64_t>(shapes[k].size()) != op.ints[k]) {
+        return false;
+      }
+      for (const auto& x : shapes[k]) {
+        if (x.is_heap_allocated()) {
+          return false;
+        }
+        PyObject* o = PyLong_FromLongLong(x.as_int_unchecked());
+        if (o == nullptr) {
+          throw pybind11::error_already_set();
+        }
+        int rc = PyList_Append(il, o);
+        Py_DECREF(o);
+        if (rc != 0) {
+          throw pybind11::error_already_set();
+        }
       }
     }
     return true;

@@ -26,6 +26,7 @@ import torch
 
 from . import capture, native
 from . import saved as _saved
+from .types import TensorOptions
 
 log = logging.getLogger("vjpgen")
 
@@ -239,7 +240,10 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
 # used only where it gave the Python gather's (T, I) on the call it was built from; it returns None
 # wherever it cannot decide (hooks on a saved tensor, an unusual input), and the Python gather runs.
 
-_SOURCES: dict = {}  # get_saved function -> per saved value: ("saved", C++ field) | ("value", C++ member, signed) | ("dtype" / "layout", edge) | None
+# get_saved function -> per saved value: ("saved", C++ field) | ("value", C++ member, signed) |
+# ("dtype" / "layout" / "options", edge) | ("nedges",) | ("list_dtypes", None) |
+# ("list_sizes", cat's dim member or None) | None
+_SOURCES: dict = {}
 _TENSOR_SCHEMAS = ("Tensor", "Tensor?")
 # schemas of plain saved values whose C++ member (same name) the helper's table has: Scalar, int64_t,
 # SymInt, std::vector<SymInt>, std::vector<int64_t>, bool, double, their optional forms, std::string
@@ -251,8 +255,10 @@ _PLAIN_SCHEMAS = ("Scalar", "int", "SymInt", "SymInt[]", "int[]", "bool", "float
 def _value_sources(info):
     """Where each saved value of ``info.get_saved`` comes from, read from its source (generated
     code: a list of one expression per value): ``node._saved_X`` of a tensor is the C++ node's
-    SavedVariable ``X_``; ``_state.dtype_of(metaK)`` the dtype of the input metadata behind the
-    edge ``_RANGES[K].start``; anything else None. None when the source cannot be read."""
+    SavedVariable ``X_``; ``_state.dtype_of(metaK)`` (``layout_of``, ``options_of``) the dtype
+    (layout, TensorOptions) of the input metadata behind the edge ``_RANGES[K].start``; a
+    ``Tensor[]`` input's edge count, dtypes and sizes (cat) from its edges; anything else None.
+    None when the source cannot be read."""
     fn = info.get_saved
     try:
         return _SOURCES[fn]
@@ -290,7 +296,17 @@ def _source_of(e, schema: str, module, src: str):
                 and f.attr in ("list_dtypes", "list_sizes") and len(e.args) == 3
                 and isinstance(e.args[0], ast.Name) and e.args[0].id == "node"
                 and isinstance(e.args[1], ast.Name) and e.args[1].id == "nf" and _is_ranges0(e.args[2])):
-            return (f.attr,)
+            if f.attr == "list_dtypes" or not e.keywords:
+                return (f.attr, None)
+            # cat's sizes: one invalid edge's are recovered from the output along cat_dim, read
+            # from the node as `cat_dim=_state.signed(node._saved_X)` (X: the C++ int64_t member)
+            kw = e.keywords[0].value if len(e.keywords) == 1 and e.keywords[0].arg == "cat_dim" else None
+            if (isinstance(kw, ast.Call) and isinstance(kw.func, ast.Attribute) and kw.func.attr == "signed"
+                    and len(kw.args) == 1 and isinstance(kw.args[0], ast.Attribute)
+                    and isinstance(kw.args[0].value, ast.Name) and kw.args[0].value.id == "node"
+                    and kw.args[0].attr.startswith("_saved_")):
+                return (f.attr, kw.args[0].attr[len("_saved_"):])
+            return None
     if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "node"
             and e.attr.startswith("_saved_") and schema in _TENSOR_SCHEMAS):
         return ("saved", e.attr[len("_saved_"):] + "_")
@@ -301,14 +317,15 @@ def _source_of(e, schema: str, module, src: str):
     if (isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "node"
             and e.attr.startswith("_saved_") and schema in _PLAIN_SCHEMAS):
         return ("value", e.attr[len("_saved_"):], signed)
-    if (isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in ("dtype_of", "layout_of")
+    if (isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr in ("dtype_of", "layout_of", "options_of")
             and isinstance(e.func.value, ast.Name) and e.func.value.id == "_state" and len(e.args) == 1
             and isinstance(e.args[0], ast.Name) and re.fullmatch(r"meta\d+", e.args[0].id)):
         k = int(e.args[0].id[4:])
         # the generated reading of metaK: edge_meta[ranges[K].start] (the walk's metadata)
         if not re.search(rf"\b{e.args[0].id} = \(\s*edge_meta\[ranges\[{k}\]\.start\]", src):
             return None
-        return ("dtype" if e.func.attr == "dtype_of" else "layout", module._RANGES[k].start)
+        kind = {"dtype_of": "dtype", "layout_of": "layout", "options_of": "options"}[e.func.attr]
+        return (kind, module._RANGES[k].start)
     return None
 
 
@@ -356,12 +373,14 @@ def _node_ops(w: _Writer, i: int, info, node, saved, nodes, metas):
                 return None
             ops.append(("list_dtypes", v))
         elif src[0] == "list_sizes":
-            # sizes (appended to I) of valid edges only: an invalid edge's are derived in Python
+            # sizes (appended to I) of every edge; an invalid edge's only for cat (src[1]: its dim
+            # member), recovered from the output as _state.list_sizes does
+            n_invalid = sum(m is None for m, _ in node.next_functions)
             if (not sym or type(v) is not list or any(type(t) is not tuple or not all(type(x) is int for x in t)
                                                        for t in v)
-                    or any(m is None for m, _ in node.next_functions)):
+                    or n_invalid > (1 if src[1] is not None else 0)):
                 return None
-            ops.append(("list_sizes", [len(t) for t in v]))
+            ops.append(("list_sizes", [len(t) for t in v], src[1]))
         elif src[0] == "value":
             if not _plain_ok(v, src[2]):
                 return None
@@ -378,6 +397,13 @@ def _node_ops(w: _Writer, i: int, info, node, saved, nodes, metas):
             if v is not None and v is not torch.strided:
                 return None
             ops.append(("layout", src[1], v is not None))
+        elif src[0] == "options":  # TensorOptions(dtype, device, strided) of the edge's input, or None
+            if v is None:
+                ops.append(("options", src[1], None, None))
+            elif type(v) is TensorOptions and v.layout is torch.strided and isinstance(v.dtype, torch.dtype):
+                ops.append(("options", src[1], v.dtype, v.device))
+            else:
+                return None
         else:
             if v is not None and not isinstance(v, torch.dtype):
                 return None

@@ -192,3 +192,38 @@ def test_mixed_value_kinds(compare_native):
     _grads_match(lambda: rt.backward(_mixed(xt, w, b), backend=BK), lambda: _mixed(xt, w, b).backward(), [xt, w, b])
     _expect_programs(compare_native)
     assert compare_native["refused"] > 0 or native.module() is None  # a changed constant was refused
+
+
+def _list_and_options(x, w, dim):
+    """cat with one input that needs no grad (its sizes recovered from the output along ``dim``),
+    split (TensorOptions from the edge metadata) and a dtype cast (to_copy's TensorOptions)."""
+    h = x @ w
+    h = torch.cat([torch.zeros_like(h), h.sin()], dim=dim)
+    a, b = h.split(h.shape[dim] // 2, dim=dim)
+    return (a * b.double().cos().float()).sum()
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_list_and_options_read_natively(dim, compare_native, monkeypatch):
+    """cat's sizes with an invalid edge and the TensorOptions of split / to_copy are read in C++:
+    the program has no Python part, gives what the Python gather gives on every call, and the
+    grads are eager's."""
+    nat = native.module()
+    kinds: list = []
+    if nat is not None:
+        orig = nat.Gather
+
+        def recording(ops, n):
+            kinds.append({op[0] for op in ops})
+            return orig(ops, n)
+
+        monkeypatch.setattr(nat, "Gather", recording)
+    x = torch.randn(4, 6, requires_grad=True)
+    w = torch.randn(6, 8, requires_grad=True)
+    for _ in range(3):
+        _grads_match(lambda: rt.backward(_list_and_options(x, w, dim), backend=BK),
+                     lambda: _list_and_options(x, w, dim).backward(), [x, w])
+    _expect_programs(compare_native)
+    if nat is not None:
+        assert kinds and all("py" not in k for k in kinds), kinds
+        assert any({"list_sizes", "options"} <= k for k in kinds), kinds
