@@ -608,18 +608,166 @@ class Program {
     }
   }
 
-  // (T, I) or None; see the comment above the namespace
+  // (T, I) or None; see the comment above the namespace. Armed (see arm): (T, [], entry) where
+  // every tensor and int matched the armed call, else what an unarmed run gives (and disarmed).
   pybind11::object run(pybind11::handle nodes, pybind11::handle metas, pybind11::handle buf) {
     if (!PyList_Check(nodes.ptr()) || !PyList_Check(buf.ptr())) {
       return pybind11::none();
     }
-    PyObject* nl = nodes.ptr();
-    PyObject* bl = buf.ptr();
+    std::shared_ptr<const Expectation> ex = armed_;  // this run's (another thread may re-arm meanwhile)
+    if (ex) {
+      const auto& tls = c10::impl::tls_local_dispatch_key_set();
+      if (tls.included_.raw_repr() == ex->tls_included && tls.excluded_.raw_repr() == ex->tls_excluded) {
+        RunState st{nullptr, ex.get()};
+        pybind11::object r = run_once(nodes.ptr(), metas, buf.ptr(), st);
+        if (!r.is_none() && st.ipos == ex->ints.size()) {
+          return pybind11::make_tuple(r, pybind11::list(), ex->entry);
+        }
+      }
+      if (armed_ == ex) {
+        armed_.reset();
+      }
+      ++misses_;
+    }
+    auto rec = std::make_shared<Expectation>();
+    pybind11::list I;
+    RunState st{I.ptr(), nullptr, 0, &rec->ints};
+    pybind11::object T = run_once(nodes.ptr(), metas, buf.ptr(), st);
+    if (T.is_none()) {
+      return T;
+    }
+    if (st.recordable && misses_ < kMaxMisses && record_tensors(T.ptr(), *rec)) {
+      const auto& tls = c10::impl::tls_local_dispatch_key_set();
+      rec->tls_included = tls.included_.raw_repr();
+      rec->tls_excluded = tls.excluded_.raw_repr();
+      auto* held = new std::shared_ptr<Expectation>(std::move(rec));
+      pybind11::capsule token(held, [](void* p) { delete static_cast<std::shared_ptr<Expectation>*>(p); });
+      return pybind11::make_tuple(T, I, token);
+    }
+    return pybind11::make_tuple(T, I);
+  }
+
+  // Arms the program with the call a `token` (the third item of an unarmed run's result) describes
+  // and the compiled entry the cache's guards chose for it (a static one: exact sizes and strides).
+  // While armed, a run whose tensors have the same type, dispatch keys (and thread-local dispatch
+  // state), dtype, device, requires_grad, sizes and strides, and whose ints (I) are the same, hands
+  // back that entry, and builds no I: the guards of that entry would pass, and no entry before it
+  // in the cache's list could (a static entry is added only where every guard failed). Any
+  // difference disarms it (the next lookup may arm it again); after kMaxMisses no more tokens.
+  // entry None: the guards chose no static entry for that call (it counts as a miss).
+  void arm(pybind11::capsule token, pybind11::object entry) {
+    auto* held = static_cast<std::shared_ptr<Expectation>*>(token.get_pointer());
+    if (entry.is_none()) {
+      ++misses_;
+      return;
+    }
+    if (held == nullptr || !*held || misses_ >= kMaxMisses) {
+      return;
+    }
+    auto ex = std::make_shared<Expectation>(**held);
+    ex->entry = std::move(entry);
+    armed_ = std::move(ex);
+  }
+
+  bool armed() const {
+    return static_cast<bool>(armed_);
+  }
+
+  // for a caller that never arms the program: unarmed runs give no token (nothing recorded)
+  void never_arm() {
+    misses_ = kMaxMisses;
+    armed_.reset();
+  }
+
+ private:
+  // the metadata a static entry's tensor guard checks (dynamo's TensorGuards, cache._MetaGuard)
+  struct TensorMeta {
+    PyTypeObject* type = nullptr;
+    uint64_t keys = 0;
+    int dtype = -1;
+    c10::Device device{c10::kCPU};
+    bool requires_grad = false;
+    std::vector<int64_t> sizes;
+    std::vector<int64_t> strides;
+  };
+  struct Expectation {
+    std::vector<int64_t> ints;  // I, as read (an unsigned reading's bits)
+    std::vector<TensorMeta> tensors;
+    uint64_t tls_included = 0;
+    uint64_t tls_excluded = 0;
+    pybind11::object entry;
+  };
+  static constexpr int kMaxMisses = 16;
+  // what one run reads into: I (unarmed), or the armed expectation it compares with
+  struct RunState {
+    PyObject* il;
+    const Expectation* expect;
+    size_t ipos = 0;
+    std::vector<int64_t>* seen = nullptr;  // unarmed: the raw ints, for a token
+    bool recordable = true;  // unarmed: whether the run can give a token
+  };
+  static bool tensor_meta(PyObject* v, TensorMeta& m) {
+    const at::Tensor& t = THPVariable_Unpack(v);
+    if (!t.defined() || t.layout() != c10::kStrided || t.is_nested() ||
+        t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+      return false;
+    }
+    m.type = Py_TYPE(v);
+    m.keys = t.key_set().raw_repr();
+    m.dtype = static_cast<int>(t.scalar_type());
+    m.device = t.device();
+    m.requires_grad = t.requires_grad();
+    m.sizes.assign(t.sizes().begin(), t.sizes().end());
+    m.strides.assign(t.strides().begin(), t.strides().end());
+    return true;
+  }
+  static bool same_meta(PyObject* v, const TensorMeta& m) {
+    if (Py_TYPE(v) != m.type) {
+      return false;
+    }
+    const at::Tensor& t = THPVariable_Unpack(v);
+    if (!t.defined() || t.key_set().raw_repr() != m.keys || static_cast<int>(t.scalar_type()) != m.dtype ||
+        t.layout() != c10::kStrided || t.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+        t.device() != m.device || t.requires_grad() != m.requires_grad) {
+      return false;
+    }
+    return t.sizes().equals(m.sizes) && t.strides().equals(m.strides);
+  }
+  static bool record_tensors(PyObject* tl, Expectation& rec) {
+    const Py_ssize_t n = PyList_GET_SIZE(tl);
+    rec.tensors.resize(static_cast<size_t>(n));
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      if (!tensor_meta(PyList_GET_ITEM(tl, k), rec.tensors[k])) {
+        return false;
+      }
+    }
+    return true;
+  }
+  // one int of I: appended (unarmed), or compared with the armed call's
+  bool put(RunState& st, int64_t x, bool as_unsigned) {
+    if (st.expect != nullptr) {
+      return st.ipos < st.expect->ints.size() && st.expect->ints[st.ipos++] == x;
+    }
+    st.seen->push_back(x);
+    PyObject* o = as_unsigned ? PyLong_FromUnsignedLongLong(static_cast<uint64_t>(x)) : PyLong_FromLongLong(x);
+    if (o == nullptr) {
+      throw pybind11::error_already_set();
+    }
+    int rc = PyList_Append(st.il, o);
+    Py_DECREF(o);
+    if (rc != 0) {
+      throw pybind11::error_already_set();
+    }
+    return true;
+  }
+
+  // T or None: one pass of the ops
+  pybind11::object run_once(PyObject* nl, pybind11::handle metas, PyObject* bl, RunState& st) {
     const Py_ssize_t n_nodes = PyList_GET_SIZE(nl);
     pybind11::list T;
-    pybind11::list I;
     PyObject* tl = T.ptr();
-    PyObject* il = I.ptr();
+    // a Python part appends to I: unarmed, the run's I; armed, a scratch list compared after it
+    pybind11::list scratch;
     Node* cur = nullptr;  // the nodes list holds every node for the call
     for (const Op& op : ops_) {
       switch (op.kind) {
@@ -634,7 +782,7 @@ class Program {
             return pybind11::none();
           }
           PyObject* v = PyList_GET_ITEM(bl, op.a);
-          if (reinterpret_cast<PyObject*>(Py_TYPE(v)) != op.obj || !add_tensor(tl, v, op.b)) {
+          if (reinterpret_cast<PyObject*>(Py_TYPE(v)) != op.obj || !add_tensor(st, tl, v, op.b)) {
             return pybind11::none();
           }
           break;
@@ -678,7 +826,7 @@ class Program {
             throw pybind11::error_already_set();
           }
           pybind11::object wo = pybind11::reinterpret_steal<pybind11::object>(w);
-          if (reinterpret_cast<PyObject*>(Py_TYPE(w)) != op.obj || !add_tensor(tl, w, op.b)) {
+          if (reinterpret_cast<PyObject*>(Py_TYPE(w)) != op.obj || !add_tensor(st, tl, w, op.b)) {
             return pybind11::none();
           }
           break;
@@ -723,17 +871,8 @@ class Program {
             return pybind11::none();
           }
           for (const auto& s : shape) {
-            if (s.is_heap_allocated()) {
+            if (s.is_heap_allocated() || !put(st, s.as_int_unchecked(), false)) {
               return pybind11::none();
-            }
-            PyObject* x = PyLong_FromLongLong(s.as_int_unchecked());
-            if (x == nullptr) {
-              throw pybind11::error_already_set();
-            }
-            int rc = PyList_Append(il, x);
-            Py_DECREF(x);
-            if (rc != 0) {
-              throw pybind11::error_already_set();
             }
           }
           break;
@@ -787,7 +926,7 @@ class Program {
           break;
         }
         case kListSizes: {
-          if (cur == nullptr || !list_sizes(op, cur, il)) {
+          if (cur == nullptr || !list_sizes(st, op, cur)) {
             return pybind11::none();
           }
           break;
@@ -814,12 +953,20 @@ class Program {
           break;
         }
         case kValue: {
-          if (cur == nullptr || !value(op, cur, il)) {
+          if (cur == nullptr || !value(st, op, cur)) {
             return pybind11::none();
           }
           break;
         }
         case kPy: {
+          PyObject* il = st.il;
+          Py_ssize_t n_before = 0;
+          if (st.expect != nullptr) {
+            PyList_SetSlice(scratch.ptr(), 0, PyList_GET_SIZE(scratch.ptr()), nullptr);
+            il = scratch.ptr();
+          } else {
+            n_before = PyList_GET_SIZE(il);
+          }
           PyObject* r = PyObject_CallFunctionObjArgs(op.obj, nl, metas.ptr(), bl, tl, il, nullptr);
           if (r == nullptr) {  // as the Python gather: an error means "not this specialization"
             PyErr_Clear();
@@ -827,7 +974,7 @@ class Program {
           }
           bool ok = r == Py_True;
           Py_DECREF(r);
-          if (!ok) {
+          if (!ok || !python_ints(st, il, n_before)) {
             return pybind11::none();
           }
           break;
@@ -841,10 +988,49 @@ class Program {
     if (nT > 1 && !distinct(tl, nT)) {  // no new aliasing between the tensors
       return pybind11::none();
     }
-    return pybind11::make_tuple(T, I);
+    return std::move(T);
   }
 
- private:
+  // the ints a Python part appended to I from position n_before: recorded (unarmed), or
+  // compared with the armed call's (from a scratch list); armed, false where they differ or are
+  // not plain ints (unarmed, such a run gives no token)
+  bool python_ints(RunState& st, PyObject* il, Py_ssize_t n_before) {
+    const Py_ssize_t n = PyList_GET_SIZE(il);
+    for (Py_ssize_t k = st.expect != nullptr ? 0 : n_before; k < n; ++k) {
+      PyObject* o = PyList_GET_ITEM(il, k);
+      long long x = 0;
+      bool plain = PyLong_CheckExact(o);
+      if (plain) {
+        int overflow = 0;
+        x = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow > 0) {
+          unsigned long long u = PyLong_AsUnsignedLongLong(o);  // an unsigned reading (>= 2**63)
+          if (PyErr_Occurred()) {
+            PyErr_Clear();
+            plain = false;
+          }
+          x = static_cast<long long>(u);
+        } else if (overflow < 0) {
+          plain = false;
+        }
+      }
+      if (!plain) {
+        if (st.expect != nullptr) {
+          return false;
+        }
+        st.recordable = false;
+        continue;
+      }
+      if (st.expect != nullptr) {
+        if (st.ipos >= st.expect->ints.size() || st.expect->ints[st.ipos++] != x) {
+          return false;
+        }
+      } else {
+        st.seen->push_back(x);
+      }
+    }
+    return true;
+  }
   static bool same_type(const std::type_info& a, const std::type_info& b) {
     return &a == &b || a == b;
   }
@@ -888,21 +1074,12 @@ class Program {
 #endif
   }
   // one int as I holds it (the getter's unsigned reading unless the generated code signs it)
-  static bool append_int(PyObject* il, const Op& op, int64_t x) {
-    PyObject* o = op.as_unsigned ? PyLong_FromUnsignedLongLong(static_cast<uint64_t>(x)) : PyLong_FromLongLong(x);
-    if (o == nullptr) {
-      throw pybind11::error_already_set();
-    }
-    int rc = PyList_Append(il, o);
-    Py_DECREF(o);
-    if (rc != 0) {
-      throw pybind11::error_already_set();
-    }
-    return true;
+  bool append_int(RunState& st, const Op& op, int64_t x) {
+    return put(st, x, op.as_unsigned);
   }
   // a sequence of n ints read by get(k, x): compared with op.ints, or appended to I (sym)
   template <typename Get>
-  static bool ints_match(const Op& op, PyObject* il, size_t n, Get get) {
+  bool ints_match(RunState& st, const Op& op, size_t n, Get get) {
     if (op.vtype != vInts || static_cast<int64_t>(n) != op.ndim) {
       return false;
     }
@@ -912,7 +1089,9 @@ class Program {
         return false;
       }
       if (op.sym) {
-        append_int(il, op, x);
+        if (!append_int(st, op, x)) {
+          return false;
+        }
       } else if (x != op.ints[k]) {
         return false;
       }
@@ -923,7 +1102,7 @@ class Program {
   // edges' metadata; with cat's dim member (op.field) one invalid edge's from the output's sizes,
   // which along dim take what the others leave (1-D empty inputs, which cat skips, leave nothing
   // unless the output is 1-D). False where the Python reading would differ or raise.
-  static bool list_sizes(const Op& op, Node* cur, PyObject* il) {
+  bool list_sizes(RunState& st, const Op& op, Node* cur) {
     if (static_cast<int64_t>(cur->num_outputs()) != op.a) {
       return false;
     }
@@ -985,24 +1164,15 @@ class Program {
         return false;
       }
       for (const auto& x : shapes[k]) {
-        if (x.is_heap_allocated()) {
+        if (x.is_heap_allocated() || !put(st, x.as_int_unchecked(), false)) {
           return false;
-        }
-        PyObject* o = PyLong_FromLongLong(x.as_int_unchecked());
-        if (o == nullptr) {
-          throw pybind11::error_already_set();
-        }
-        int rc = PyList_Append(il, o);
-        Py_DECREF(o);
-        if (rc != 0) {
-          throw pybind11::error_already_set();
         }
       }
     }
     return true;
   }
   // a plain saved value checked (or its ints appended to I); false: not the specialized reading
-  static bool value(const Op& op, Node* fn, PyObject* il) {
+  bool value(RunState& st, const Op& op, Node* fn) {
     using saved_state::Kind;
     const saved_state::Field& f = *op.field;
     switch (f.kind) {
@@ -1038,7 +1208,7 @@ class Program {
           return false;
         }
         if (op.sym) {
-          return append_int(il, op, x);
+          return append_int(st, op, x);
         }
         return x == op.ints[0];
       }
@@ -1063,7 +1233,9 @@ class Program {
             x = *m;
           }
           if (op.sym) {
-            append_int(il, op, x);
+            if (!append_int(st, op, x)) {
+              return false;
+            }
           } else if (x != op.ints[k]) {
             return false;
           }
@@ -1092,7 +1264,7 @@ class Program {
         if (!m || op.vtype != vInt) {
           return false;
         }
-        return op.sym ? append_int(il, op, *m) : *m == op.ints[0];
+        return op.sym ? append_int(st, op, *m) : *m == op.ints[0];
       }
       case Kind::kOptSymIntList:
       case Kind::kOptIntList: {
@@ -1101,13 +1273,13 @@ class Program {
           if (!o) {
             return op.vtype == vNone;
           }
-          return ints_match(op, il, o->size(), [&](size_t k, int64_t& x) { x = (*o)[k]; return true; });
+          return ints_match(st, op, o->size(), [&](size_t k, int64_t& x) { x = (*o)[k]; return true; });
         }
         const auto& o = (fn->*(f.opt_symint_list)).list;
         if (!o) {
           return op.vtype == vNone;
         }
-        return ints_match(op, il, o->size(), [&](size_t k, int64_t& x) {
+        return ints_match(st, op, o->size(), [&](size_t k, int64_t& x) {
           auto m = (*o)[k].maybe_as_int();
           if (!m) {
             return false;
@@ -1125,9 +1297,13 @@ class Program {
     return o.ptr();
   }
   // v at position pos of T: appended when pos is the next one, else it must be T[pos] itself
-  static bool add_tensor(PyObject* tl, PyObject* v, int64_t pos) {
+  static bool add_tensor(const RunState& st, PyObject* tl, PyObject* v, int64_t pos) {
     Py_ssize_t n = PyList_GET_SIZE(tl);
     if (pos == n) {
+      if (st.expect != nullptr &&
+          (static_cast<size_t>(pos) >= st.expect->tensors.size() || !same_meta(v, st.expect->tensors[pos]))) {
+        return false;
+      }
       if (PyList_Append(tl, v) != 0) {
         throw pybind11::error_already_set();
       }
@@ -1138,6 +1314,8 @@ class Program {
   std::vector<Op> ops_;
   std::vector<pybind11::object> keep_;
   int64_t n_tensors_;
+  std::shared_ptr<const Expectation> armed_;
+  int misses_ = 0;
 };
 
 }  // namespace native_gather
@@ -1779,6 +1957,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<native_gather::Program>(m, "Gather", "a region's native gather program (see fastpath.native_gather)")
       .def(pybind11::init<pybind11::list, int64_t>(), pybind11::arg("ops"), pybind11::arg("n_tensors"))
       .def("__call__", &native_gather::Program::run, pybind11::arg("nodes"), pybind11::arg("metas"),
-           pybind11::arg("buf"));
+           pybind11::arg("buf"))
+      .def("arm", &native_gather::Program::arm, pybind11::arg("token"), pybind11::arg("entry"))
+      .def_property_readonly("armed", &native_gather::Program::armed)
+      .def("never_arm", &native_gather::Program::never_arm);
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

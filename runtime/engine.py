@@ -442,11 +442,14 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
     if region.fast:  # a structure seen before: its specialized gather and tables
         r = fastpath.lookup(region, nodes, metas, buf)
         if r is not None:
-            T, I, by_ints, by_meta = r
-            try:
-                compiled = find(by_ints, by_meta, T, I)
-            except TypeError:  # e.g. an unhashable SymInt among the sizes: the general path decides
-                compiled = None
+            T, I, by_ints, by_meta, compiled, arm = r
+            if compiled is None:  # (else the native gather checked this entry's guards)
+                try:
+                    compiled = find(by_ints, by_meta, T, I)
+                except TypeError:  # e.g. an unhashable SymInt among the sizes: the general path decides
+                    compiled = None
+                if compiled is not None and arm is not None:
+                    arm(compiled)
     if compiled is None:
         compiled, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, ctx)
         if compiled is None:

@@ -476,21 +476,45 @@ def _part(w: _Writer, lines: list, label: str, k: int):
 
 
 def lookup(region, nodes, metas, buf):
-    """Run the region's specializations: ``(T, I, by_ints, by_meta)`` for the first whose checks
-    pass (the cache's entry tables for that ``S``), or None."""
+    """Run the region's specializations: ``(T, I, by_ints, by_meta, entry, arm)`` for the first
+    whose checks pass (the cache's entry tables for that ``S``), or None.
+
+    ``entry``: the compiled entry when the native program was armed with it and this call's
+    tensors and ints are those it was armed on (then ``I`` is empty and no guard need run: see
+    ``arm`` in _native.cpp); else None, and ``arm`` (or None) is ``arm(entry)`` for the static
+    entry the guards choose, so later such calls skip the guards too."""
     for fn, by_ints, by_meta in region.fast:
         nat = fn.__vjpgen_native__
         if nat is not None:
             r = nat(nodes, metas, buf)
             if r is not None:
-                return r[0], r[1], by_ints, by_meta
+                if len(r) == 2:
+                    return r[0], r[1], by_ints, by_meta, None, None
+                if type(r[2]) is not list:  # a token: arming needs the entry the guards choose
+                    return r[0], r[1], by_ints, by_meta, None, _Arm(nat, r[2])
+                return r[0], r[1], by_ints, by_meta, r[2], None
         try:
             r = fn(nodes, metas, buf)
         except Exception:  # e.g. freed saved tensors: the general path reports it
             return None
         if r is not None:
-            return r[0], r[1], by_ints, by_meta
+            return r[0], r[1], by_ints, by_meta, None, None
     return None
+
+
+class _Arm:
+    """``arm(entry)``: arm a native program with the call its token describes (see :func:`lookup`)."""
+
+    __slots__ = ("prog", "token")
+
+    def __init__(self, prog, token) -> None:
+        self.prog = prog
+        self.token = token
+
+    def __call__(self, entry) -> None:
+        # a static entry: exact sizes and strides, as the program compares; a dynamic one counts
+        # as a miss (after a few the program stops recording tokens)
+        self.prog.arm(self.token, None if entry.dynamic else entry)
 
 
 def remember(region, plan, nodes, metas, buf, S: tuple) -> None:

@@ -461,7 +461,7 @@ def _fast_lookup(region, plan, nodes, metas, buf):
                 return None
         if r is None:
             continue
-        T, I = r
+        T, I = r[0], r[1]
         if tuple([t.requires_grad for t in T]) != rg:
             continue
         try:
@@ -491,6 +491,8 @@ def _remember(region, plan, nodes, metas, buf, S, rg, cache) -> None:
         log.debug("vjpgen: specializing the create_graph gather of %s failed: %s", region.label, e)
         fn = None
     if fn is not None:
+        if fn.__vjpgen_native__ is not None:  # its entries are chosen here, with requires_grad: never armed
+            fn.__vjpgen_native__.never_arm()
         lst.append((fn, rg, *cache.tables(S)))
 
 

@@ -10,6 +10,7 @@ import torch
 
 import vjpgen.runtime as rt
 from vjpgen.runtime import demo, fastpath, native
+from vjpgen.runtime.cache import Compiled, find
 
 BK = "aot_eager"
 
@@ -25,10 +26,10 @@ def _same(a, b) -> bool:
 def compare_native(monkeypatch):
     """On every specialized lookup: each native program gives what its Python gather gives."""
     orig = fastpath.lookup
-    seen = {"programs": 0, "accepted": 0, "refused": 0}
+    seen = {"programs": 0, "accepted": 0, "refused": 0, "armed": 0}
 
     def checked(region, nodes, metas, buf):
-        for fn, _, _ in region.fast:
+        for fn, by_ints, by_meta in region.fast:
             nat = fn.__vjpgen_native__
             if nat is None:
                 continue
@@ -41,7 +42,13 @@ def compare_native(monkeypatch):
             else:
                 assert got is not None, f"the native gather refused what the Python one accepted ({region.label})"
                 assert len(got[0]) == len(want[0]) and all(map(_same, got[0], want[0]))
-                assert list(got[1]) == list(want[1])
+                if len(got) == 3 and isinstance(got[2], Compiled):
+                    # armed: the entry the cache's guards choose on the Python gather's (T, I)
+                    assert list(got[1]) == []
+                    assert find(by_ints, by_meta, want[0], list(want[1])) is got[2]
+                    seen["armed"] += 1
+                else:
+                    assert list(got[1]) == list(want[1])
                 seen["accepted"] += 1
         return orig(region, nodes, metas, buf)
 
@@ -54,6 +61,7 @@ def _expect_programs(seen):
         assert seen["programs"] == 0
     else:
         assert seen["accepted"] > 0
+        assert seen["armed"] > 0  # steady calls skip the cache's guards (the program checked them)
 
 
 def _grads_match(run_vjpgen, run_eager, params):
@@ -227,3 +235,20 @@ def test_list_and_options_read_natively(dim, compare_native, monkeypatch):
     if nat is not None:
         assert kinds and all("py" not in k for k in kinds), kinds
         assert any({"list_sizes", "options"} <= k for k in kinds), kinds
+
+
+def test_armed_program_refuses_other_strides(compare_native):
+    """An armed program hands back its entry only for the tensors it was armed on: a square input
+    that is transposed (same sizes, other strides) and one of another dtype go to the guards
+    (recompiling where none matches), and every call gives eager's grads."""
+    w = torch.randn(5, 5, requires_grad=True)
+    base = torch.randn(5, 5)
+
+    def f(x):
+        return (torch.sigmoid(x * 1.5) * w).sum()
+
+    for x in (base, base, base, base.t(), base.t(), base, base.double(), base.t(), base):
+        xx = x.clone() if x.is_contiguous() else x.t().clone().t()
+        xx.requires_grad_()
+        _grads_match(lambda: rt.backward(f(xx), backend=BK), lambda: f(xx).backward(), [xx, w])
+    _expect_programs(compare_native)
