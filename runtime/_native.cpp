@@ -608,8 +608,8 @@ class Program {
     }
   }
 
-  // (T, I) or None; see the comment above the namespace. Armed (see arm): (T, [], entry) where
-  // every tensor and int matched the armed call, else what an unarmed run gives (and disarmed).
+  // (T, I) or (T, I, token) or None; see the comment above the namespace and arm. Armed: (T, None,
+  // entry) where every tensor and int matched the armed call, else what an unarmed run gives.
   pybind11::object run(pybind11::handle nodes, pybind11::handle metas, pybind11::handle buf) {
     if (!PyList_Check(nodes.ptr()) || !PyList_Check(buf.ptr())) {
       return pybind11::none();
@@ -621,7 +621,7 @@ class Program {
         RunState st{nullptr, ex.get()};
         pybind11::object r = run_once(nodes.ptr(), metas, buf.ptr(), st);
         if (!r.is_none() && st.ipos == ex->ints.size()) {
-          return pybind11::make_tuple(r, pybind11::list(), ex->entry);
+          return pybind11::make_tuple(r, pybind11::none(), ex->entry);
         }
       }
       if (armed_ == ex) {

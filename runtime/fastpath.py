@@ -490,9 +490,10 @@ def lookup(region, nodes, metas, buf):
             if r is not None:
                 if len(r) == 2:
                     return r[0], r[1], by_ints, by_meta, None, None
-                if type(r[2]) is not list:  # a token: arming needs the entry the guards choose
-                    return r[0], r[1], by_ints, by_meta, None, _Arm(nat, r[2])
-                return r[0], r[1], by_ints, by_meta, r[2], None
+                if r[1] is None:  # armed, and these are the tensors and ints it was armed on
+                    return r[0], [], by_ints, by_meta, r[2], None
+                # a token: arming needs the entry the guards choose
+                return r[0], r[1], by_ints, by_meta, None, _Arm(nat, r[2])
         try:
             r = fn(nodes, metas, buf)
         except Exception:  # e.g. freed saved tensors: the general path reports it
