@@ -967,6 +967,7 @@ class Program {
           } else {
             n_before = PyList_GET_SIZE(il);
           }
+          const Py_ssize_t t_before = PyList_GET_SIZE(tl);
           PyObject* r = PyObject_CallFunctionObjArgs(op.obj, nl, metas.ptr(), bl, tl, il, nullptr);
           if (r == nullptr) {  // as the Python gather: an error means "not this specialization"
             PyErr_Clear();
@@ -976,6 +977,15 @@ class Program {
           Py_DECREF(r);
           if (!ok || !python_ints(st, il, n_before)) {
             return pybind11::none();
+          }
+          if (st.expect != nullptr) {  // the tensors the Python part added: as the armed call's
+            const Py_ssize_t t_after = PyList_GET_SIZE(tl);
+            for (Py_ssize_t k = t_before; k < t_after; ++k) {
+              if (static_cast<size_t>(k) >= st.expect->tensors.size() ||
+                  !same_meta(PyList_GET_ITEM(tl, k), st.expect->tensors[k])) {
+                return pybind11::none();
+              }
+            }
           }
           break;
         }

@@ -278,3 +278,21 @@ def test_steady_calls_take_the_armed_entry(monkeypatch):
         _grads_match(lambda: rt.backward(_chain(x, c, 9), backend=BK), lambda: _chain(x, c, 9).backward(), [x])
     assert calls["general"] == 0
     assert calls["find"] == (3 if native.module() is None else 0)
+
+
+def test_armed_program_checks_tensors_of_python_parts(compare_native, monkeypatch):
+    """index's saved index tensors are read by a Python part of the program: an armed program
+    compares them too (here a strided index of the same values goes to the guards)."""
+    nat = native.module()
+    kinds: list = []
+    if nat is not None:
+        orig = nat.Gather
+        monkeypatch.setattr(nat, "Gather", lambda ops, n: (kinds.append({op[0] for op in ops}), orig(ops, n))[1])
+    x = torch.randn(8, 3, requires_grad=True)
+    flat = torch.tensor([1, 0, 3, 0, 5, 0, 1, 0])
+    for idx in (flat[::2].clone(), flat[::2].clone(), flat[::2].clone(), flat[::2], flat[::2], flat[::2].clone()):
+        _grads_match(lambda: rt.backward((x[idx].sin() * 2.0).sum(), backend=BK),
+                     lambda: (x[idx].sin() * 2.0).sum().backward(), [x])
+    _expect_programs(compare_native)
+    if nat is not None:
+        assert any("py" in k for k in kinds), kinds
