@@ -1,17 +1,21 @@
 // vjpgen's native helpers: what Python cannot do to a live autograd graph.
 //
-// release(nodes): Node::release_variables() on each node of a sequence, as the autograd
-// engine does after running a node without retain_graph (the node drops its saved tensors).
+// release(nodes[, indices]): Node::release_variables() on each node of a sequence (or on nodes[i]
+// for i in indices), as the autograd engine does after running a node without retain_graph (the
+// node drops its saved tensors).
 // walk(roots[, meta_type, wanted]): the breadth-first walk of vjpgen.runtime.engine.walk over
 // next_edges, without building next_functions tuples: (nodes, structure key as bytes,
 // {node: index}), and with meta_type also each node's input metadata as tuples of meta_type (a
 // namedtuple class with the fields shape, dtype, device, is_nested_tensor, is_cpp_nested_tensor;
 // nodes with equal input metadata share one tuple, see InternedMetas).
 // With `wanted` (a sequence of nodes) the index holds only the roots and the wanted nodes found.
+// With lazy=True the nodes are a NodeList: the C++ nodes, each one's Python object made on first
+// access (the native gather, release and steal_grads read its nodes without them).
 // With meta_type the walk also returns {index: hook bits} of the nodes that have hooks (hook_flags)
 // and {index: saved_hook_key} of the nodes whose saved tensors have hooks (saved state, below).
 // stealable(grad, var): whether AccumulateGrad may keep grad itself as var.grad.
-// steal_grads(nodes, grads, protected): AccumulateGrad's common case for a batch of leaves.
+// steal_grads(nodes, grads, protected[, indices]): AccumulateGrad's common case for a batch of
+// leaves (nodes[i] for i in indices).
 // hook_flags(nodes): per node a bit set of the hooks the engine would run around it (C++ and
 // Python alike, whenever they were registered): see HookFlags.
 // call_node(node, grads, keep_graph): the engine's call_function for one node: tensor pre-hooks,
@@ -81,9 +85,98 @@ NodeRef node_of(PyObject* o) {
   return {};
 }
 
+// The nodes of a walk, in its order (walk(..., lazy=True)): owning references to the C++ nodes
+// and their Python objects, each made on its first access from Python. A cache-hit call reads most
+// nodes only from C++ (the native gather, release, the leaf sinks), and making a Python object for
+// each node of a fresh graph, then freeing it, was ~0.5 µs a node.
+struct NodeList {
+  std::vector<NodeRef> refs;
+  std::vector<PyObject*> objs;  // owned references, nullptr until first accessed
+  NodeList() = default;
+  NodeList(const NodeList&) = delete;
+  NodeList& operator=(const NodeList&) = delete;
+  ~NodeList() {
+    for (PyObject* o : objs) {
+      Py_XDECREF(o);
+    }
+  }
+  Py_ssize_t size() const {
+    return static_cast<Py_ssize_t>(refs.size());
+  }
+  // node i's Python object (a borrowed reference: the list keeps it)
+  PyObject* object(size_t i) {
+    PyObject*& o = objs[i];
+    if (o == nullptr) {
+      o = torch::autograd::functionToPyObject(refs[i]);
+      if (o == nullptr) {
+        throw pybind11::error_already_set();
+      }
+    }
+    return o;
+  }
+  pybind11::object item(Py_ssize_t i) {
+    if (i < 0) {
+      i += size();
+    }
+    if (i < 0 || i >= size()) {
+      throw pybind11::index_error("vjpgen native.NodeList index out of range");
+    }
+    return pybind11::reinterpret_borrow<pybind11::object>(object(static_cast<size_t>(i)));
+  }
+  pybind11::list as_list() {
+    pybind11::list out;
+    for (Py_ssize_t i = 0; i < size(); ++i) {
+      out.append(pybind11::handle(object(static_cast<size_t>(i))));
+    }
+    return out;
+  }
+};
+
+// A walk's NodeList, or nullptr for any other object (a list of node objects)
+NodeList* node_list(pybind11::handle nodes) {
+  if (pybind11::isinstance<NodeList>(nodes)) {
+    return &nodes.cast<NodeList&>();
+  }
+  return nullptr;
+}
+
+// node i of `nodes` (a NodeList, or a sequence of node objects), held by `keep`
+torch::autograd::Node* node_in(pybind11::handle nodes, NodeList* nl, Py_ssize_t i, NodeRef& keep) {
+  if (nl != nullptr) {
+    if (i < 0 || i >= nl->size()) {
+      throw pybind11::index_error("vjpgen native: node index out of range");
+    }
+    return nl->refs[static_cast<size_t>(i)].get();
+  }
+  pybind11::object o = pybind11::reinterpret_steal<pybind11::object>(PySequence_GetItem(nodes.ptr(), i));
+  if (!o) {
+    throw pybind11::error_already_set();
+  }
+  keep = node_of(o.ptr());
+  return keep.get();
+}
+
 // Returns how many nodes were released (objects that are not autograd nodes are skipped). A
-// custom Function's node (PyNode) releases the tensors its ctx saved.
-Py_ssize_t release(pybind11::handle nodes) {
+// custom Function's node (PyNode) releases the tensors its ctx saved. With `indices`: the nodes
+// nodes[i] for i in indices (nodes: a walk's NodeList or a sequence of node objects).
+Py_ssize_t release_at(pybind11::handle nodes, pybind11::handle indices) {
+  NodeList* nl = node_list(nodes);
+  Py_ssize_t released = 0;
+  for (auto ix : indices) {
+    NodeRef keep;
+    torch::autograd::Node* fn = node_in(nodes, nl, ix.cast<Py_ssize_t>(), keep);
+    if (fn != nullptr) {
+      fn->release_variables();
+      ++released;
+    }
+  }
+  return released;
+}
+
+Py_ssize_t release(pybind11::handle nodes, pybind11::handle indices) {
+  if (!indices.is_none()) {
+    return release_at(nodes, indices);
+  }
   PyObject* seq = PySequence_Fast(nodes.ptr(), "vjpgen native.release: expected a sequence of nodes");
   if (seq == nullptr) {
     throw pybind11::error_already_set();
@@ -230,8 +323,20 @@ struct ClassInfo {
 
 // Looked up by the node's C++ type (typeid of the object: its vtable, no symbol of the class), the
 // class name and the Python object's type only on the first sight of a type.
-const ClassInfo& class_info(Node* fn, PyObject* obj) {
+std::unordered_map<const std::type_info*, ClassInfo>& class_infos() {
   static std::unordered_map<const std::type_info*, ClassInfo> by_type;
+  return by_type;
+}
+
+// What the table knows of the node's class if its C++ type was seen before, else nullptr.
+const ClassInfo* known_class_info(Node* fn) {
+  auto& by_type = class_infos();
+  auto it = by_type.find(&typeid(*fn));
+  return it != by_type.end() ? &it->second : nullptr;
+}
+
+const ClassInfo& class_info(Node* fn, PyObject* obj) {
+  auto& by_type = class_infos();
   const std::type_info* t = &typeid(*fn);
   auto it = by_type.find(t);
   if (it != by_type.end()) {
@@ -611,7 +716,7 @@ class Program {
   // (T, I) or (T, I, token) or None; see the comment above the namespace and arm. Armed: (T, None,
   // entry) where every tensor and int matched the armed call, else what an unarmed run gives.
   pybind11::object run(pybind11::handle nodes, pybind11::handle metas, pybind11::handle buf) {
-    if (!PyList_Check(nodes.ptr()) || !PyList_Check(buf.ptr())) {
+    if ((!PyList_Check(nodes.ptr()) && node_list(nodes) == nullptr) || !PyList_Check(buf.ptr())) {
       return pybind11::none();
     }
     std::shared_ptr<const Expectation> ex = armed_;  // this run's (another thread may re-arm meanwhile)
@@ -763,7 +868,8 @@ class Program {
 
   // T or None: one pass of the ops
   pybind11::object run_once(PyObject* nl, pybind11::handle metas, PyObject* bl, RunState& st) {
-    const Py_ssize_t n_nodes = PyList_GET_SIZE(nl);
+    NodeList* lst = PyList_Check(nl) ? nullptr : node_list(pybind11::handle(nl));  // a lazy walk's
+    const Py_ssize_t n_nodes = lst != nullptr ? lst->size() : PyList_GET_SIZE(nl);
     pybind11::list T;
     PyObject* tl = T.ptr();
     // a Python part appends to I: unarmed, the run's I; armed, a scratch list compared after it
@@ -791,7 +897,7 @@ class Program {
           if (op.a >= n_nodes) {
             return pybind11::none();
           }
-          cur = node_at(nl, op);
+          cur = node_at(nl, lst, op);
           if (cur == nullptr || !same_type(typeid(*cur), *op.cls)) {
             return pybind11::none();
           }
@@ -856,7 +962,7 @@ class Program {
           if (op.a >= n_nodes) {
             return pybind11::none();
           }
-          Node* d = node_at(nl, op);
+          Node* d = node_at(nl, lst, op);
           if (d == nullptr || op.b >= static_cast<int64_t>(d->num_inputs())) {
             return pybind11::none();
           }
@@ -1066,9 +1172,12 @@ class Program {
     }
     return true;
   }
-  // nodes[op.a] (op.a < len(nodes)) as a C++ node: a THPCppFunction of the expected Python type is
-  // read directly, any other object through node_of
-  static Node* node_at(PyObject* nl, const Op& op) {
+  // nodes[op.a] (op.a < len(nodes)) as a C++ node: from a lazy walk's NodeList directly; of a list,
+  // a THPCppFunction of the expected Python type is read directly, any other object through node_of
+  static Node* node_at(PyObject* nl, NodeList* lst, const Op& op) {
+    if (lst != nullptr) {
+      return lst->refs[static_cast<size_t>(op.a)].get();
+    }
     PyObject* o = PyList_GET_ITEM(nl, op.a);
     if (op.pytype != nullptr && Py_TYPE(o) == op.pytype) {
       return reinterpret_cast<torch::autograd::THPCppFunction*>(o)->cdata.get();
@@ -1401,7 +1510,7 @@ InternedMetas interned_metas;
 // A node's input metadata: a tuple of meta_type instances, or the node's own _input_metadata
 // (pybind objects with the same attributes) where an input is unusual: default constructed,
 // nested, a tensor subclass or of symbolic shape.
-PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle meta_type) {
+PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle meta_type, NodeList* nl, size_t at) {
   auto n = fn->num_inputs();
   // one pass over the inputs: whether all are plain, and the intern key of their metadata
   std::vector<int64_t>& sig = interned_metas.sig;
@@ -1428,6 +1537,9 @@ PyObject* node_metas(torch::autograd::Node* fn, PyObject* obj, pybind11::handle 
     }
   }
   if (!plain) {
+    if (obj == nullptr) {  // a lazy walk's node: its Python object, made now
+      obj = nl->object(at);
+    }
     PyObject* r = PyObject_GetAttrString(obj, "_input_metadata");
     if (r == nullptr) {
       throw pybind11::error_already_set();
@@ -1558,13 +1670,15 @@ class NodeIndex {
 // invalid edge. Equal keys mean the same graph structure within this process.
 int64_t flags_of(torch::autograd::Node* fn);  // the hook bits of a node (see HookFlags)
 
-pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind11::handle wanted) {
+pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind11::handle wanted, bool lazy) {
   PyObject* seq = PySequence_Fast(roots.ptr(), "vjpgen native.walk: expected a sequence of nodes");
   if (seq == nullptr) {
     throw pybind11::error_already_set();
   }
   pybind11::object seq_owner = pybind11::reinterpret_steal<pybind11::object>(seq);
   pybind11::list nodes;
+  std::unique_ptr<NodeList> lazy_nodes(lazy ? new NodeList() : nullptr);
+  NodeList* nl = lazy_nodes.get();
   pybind11::dict index;
   std::vector<torch::autograd::Node*> order;
   // one table per thread, reused; a walk nested in another (Python code run by an allocation) gets
@@ -1599,7 +1713,12 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
     if (inserted) {
       index[pybind11::handle(items[i])] = pybind11::int_(static_cast<int64_t>(order.size()));
       order.push_back(fn.get());
-      nodes.append(pybind11::handle(items[i]));
+      if (nl != nullptr) {
+        nl->refs.push_back(fn);
+        nl->objs.push_back(Py_NewRef(items[i]));
+      } else {
+        nodes.append(pybind11::handle(items[i]));
+      }
     }
   }
   key.reserve(order.size() * 8);
@@ -1617,18 +1736,29 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
         hooked[pybind11::int_(static_cast<int64_t>(i))] = pybind11::int_(hf);
       }
     }
-    PyObject* obj = PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(i));
+    // the node's Python object: nullptr for a lazy walk's node not made yet; made now on the first
+    // sight of its C++ type (which tells a custom Function's node) and for a custom Function's
+    // node (its ctx, whose saved tensors and Python type the walk reads)
+    PyObject* obj = nl != nullptr ? nl->objs[i] : PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(i));
+    const saved_state::ClassInfo* known = obj == nullptr ? saved_state::known_class_info(fn) : nullptr;
+    if (obj == nullptr && (known == nullptr || known->py_function)) {
+      obj = nl->object(i);
+    }
+    const saved_state::ClassInfo& ci = known != nullptr ? *known : saved_state::class_info(fn, obj);
     if (with_metas) {
       if (int64_t sk = saved_state::saved_hook_key(fn, obj)) {
         saved_hooked[pybind11::int_(static_cast<int64_t>(i))] = pybind11::int_(sk);
       }
-      pybind11::object m = pybind11::reinterpret_steal<pybind11::object>(node_metas(fn, obj, meta_type));
+      pybind11::object m = pybind11::reinterpret_steal<pybind11::object>(node_metas(fn, obj, meta_type, nl, i));
       if (PyList_Append(metas.ptr(), m.ptr()) != 0) {
         throw pybind11::error_already_set();
       }
     }
     const auto& edges = fn->next_edges();
-    key.push_back(reinterpret_cast<int64_t>(Py_TYPE(obj)));
+    // the node's class: its C++ type, or for a custom Function's node the Python type of its ctx
+    // (what type() of the node object is)
+    key.push_back(ci.py_function ? reinterpret_cast<int64_t>(Py_TYPE(obj))
+                                 : reinterpret_cast<int64_t>(&typeid(*fn)));
     key.push_back(static_cast<int64_t>(fn->num_inputs()));
     key.push_back(static_cast<int64_t>(edges.size()));
     for (const auto& e : edges) {
@@ -1642,15 +1772,23 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
       int64_t j = seen.find_or_insert(m, static_cast<int64_t>(order.size()), fresh);
       if (fresh) {
         order.push_back(m);
-        pybind11::object mo = pybind11::reinterpret_steal<pybind11::object>(
-            torch::autograd::functionToPyObject(e.function));
-        if (!mo) {
-          throw pybind11::error_already_set();
+        if (nl != nullptr) {
+          nl->refs.push_back(e.function);
+          nl->objs.push_back(nullptr);
+          if (wanted.is_none()) {
+            index[pybind11::handle(nl->object(static_cast<size_t>(j)))] = pybind11::int_(j);
+          }
+        } else {
+          pybind11::object mo = pybind11::reinterpret_steal<pybind11::object>(
+              torch::autograd::functionToPyObject(e.function));
+          if (!mo) {
+            throw pybind11::error_already_set();
+          }
+          if (wanted.is_none()) {
+            index[mo] = pybind11::int_(j);
+          }
+          nodes.append(mo);
         }
-        if (wanted.is_none()) {
-          index[mo] = pybind11::int_(j);
-        }
-        nodes.append(mo);
       }
       key.push_back(j);
       key.push_back(static_cast<int64_t>(e.input_nr));
@@ -1665,14 +1803,18 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
       }
       int64_t at = seen.find(fw.get());
       if (at >= 0) {
-        index[pybind11::handle(PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(at)))] = pybind11::int_(at);
+        PyObject* wo = nl != nullptr ? nl->object(static_cast<size_t>(at))
+                                     : PyList_GET_ITEM(nodes.ptr(), static_cast<Py_ssize_t>(at));
+        index[pybind11::handle(wo)] = pybind11::int_(at);
       }
     }
   }
+  pybind11::object out = nl != nullptr ? pybind11::cast(lazy_nodes.release(), pybind11::return_value_policy::take_ownership)
+                                        : pybind11::object(nodes);
   if (!with_metas) {
-    return pybind11::make_tuple(nodes, kb, index);
+    return pybind11::make_tuple(out, kb, index);
   }
-  return pybind11::make_tuple(nodes, kb, index, metas, hooked, saved_hooked);
+  return pybind11::make_tuple(out, kb, index, metas, hooked, saved_hooked);
 }
 
 // Whether AccumulateGrad may keep `grad` itself as `var.grad` (vjpgen.runtime.engine._stealable
@@ -1714,23 +1856,34 @@ bool no_hooks(PyObject* hooks) {  // Python's `not var._backward_hooks`
 // `protected` (ids of tensors something else of this call holds) and is stealable() with the
 // variable's metadata, var.grad becomes grads[i] itself and its id joins `protected`.
 // Returns per leaf whether it was done; the caller accumulates the others itself.
-pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybind11::handle protected_ids) {
+pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybind11::handle protected_ids,
+                           pybind11::handle indices) {
   pybind11::list out;
-  pybind11::sequence ns = pybind11::reinterpret_borrow<pybind11::sequence>(nodes);
   pybind11::sequence gs = pybind11::reinterpret_borrow<pybind11::sequence>(grads);
   if (!PySet_Check(protected_ids.ptr())) {
     throw pybind11::type_error("vjpgen native.steal_grads: protected must be a set");
   }
-  size_t n = ns.size();
+  // the leaves: nodes[i] for i in indices (nodes: a lazy walk's NodeList or a list), or nodes
+  const bool by_index = !indices.is_none();
+  NodeList* nl = by_index ? node_list(nodes) : nullptr;
+  pybind11::sequence ix = pybind11::reinterpret_borrow<pybind11::sequence>(by_index ? indices : nodes);
+  size_t n = ix.size();
   if (gs.size() != n) {
     throw pybind11::value_error("vjpgen native.steal_grads: as many grads as nodes expected");
   }
   for (size_t i = 0; i < n; ++i) {
-    pybind11::object node = ns[i];
     pybind11::object grad = gs[i];
     bool done = false;
-    auto fn = node_of(node.ptr());
-    auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn.get());
+    NodeRef fn;
+    torch::autograd::Node* fp = nullptr;
+    if (by_index) {
+      fp = node_in(nodes, nl, ix[i].cast<Py_ssize_t>(), fn);
+    } else {
+      pybind11::object node = ix[i];
+      fn = node_of(node.ptr());
+      fp = fn.get();
+    }
+    auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fp);
     if (acc != nullptr && THPVariable_Check(grad.ptr())) {
       const at::Tensor& var = acc->variable;
       const at::Tensor& g = THPVariable_Unpack(grad.ptr());
@@ -1949,11 +2102,22 @@ void call_leaves(pybind11::handle nodes, pybind11::handle grads, bool keep_graph
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vjpgen native helpers: release_variables and the graph walk on live autograd nodes";
-  m.def("release", &release, "Node::release_variables() on each node of a sequence");
-  m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas, hooked, saved_hooked])",
+  pybind11::class_<NodeList>(m, "NodeList", "a walk's nodes: C++ nodes, their Python objects made on first access")
+      .def("__len__", &NodeList::size)
+      .def("__getitem__", &NodeList::item)
+      .def("__iter__", [](NodeList& l) { return pybind11::iter(l.as_list()); })
+      .def("list", &NodeList::as_list, "every node's Python object, in walk order")
+      .def("made", [](const NodeList& l) {
+        return static_cast<int64_t>(std::count_if(l.objs.begin(), l.objs.end(), [](PyObject* o) { return o != nullptr; }));
+      }, "how many of the nodes' Python objects exist (the roots and those read from Python)");
+  m.def("release", &release, "Node::release_variables() on each node of a sequence (or on nodes[i] for i in indices)",
+        pybind11::arg("nodes"), pybind11::arg("indices") = pybind11::none());
+  m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas, hooked, saved_hooked]); lazy: nodes is a NodeList",
         pybind11::arg("roots"), pybind11::arg("meta_type") = pybind11::none(),
-        pybind11::arg("wanted") = pybind11::none());
-  m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen engine.accumulate_leaf)");
+        pybind11::arg("wanted") = pybind11::none(), pybind11::arg("lazy") = false);
+  m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen engine.accumulate_leaf)",
+        pybind11::arg("nodes"), pybind11::arg("grads"), pybind11::arg("protected"),
+        pybind11::arg("indices") = pybind11::none());
   m.def("hook_flags", &hook_flags, "{index: hook bits} for the nodes of a sequence that have hooks");
   m.def("call_node", &call_node, "the engine's call_function: hooks, the node, validate_outputs",
         pybind11::arg("node"), pybind11::arg("grads"), pybind11::arg("keep_graph"));

@@ -158,8 +158,9 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
     check_t = not native_hooks and hooks.any_tensor_hooks()
     check_n = not native_hooks and hooks.any_node_hooks()
     wanted = [n for n, _ in targets_edges] if targets_edges is not None else ()
+    # (lazy: the nodes' Python objects are made only where Python reads a node)
     nodes, metas, hooked, key, index, saved_hooked = walk.walk_fast(
-        root_edges, check_t, check_n, wanted, saved_hooks=True)
+        root_edges, check_t, check_n, wanted, saved_hooks=True, lazy=True)
     # nodes whose saved tensors have unpack hooks (checkpoint, offloading), grouped by hook in
     # order of first appearance: the plan cuts regions between groups, and such a call runs in a
     # graph task (below). The grouping is part of the plan's key: the same structure without
@@ -181,6 +182,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         skey = (*skey, "create_graph")
     plan = _PLANS.get(skey)
     if plan is None:
+        nodes = walk.as_list(nodes)  # planning reads every node
         with capture.LOCK:  # threads: one plan per structure (another thread may have just built it)
             plan = _PLANS.get(skey)
             if plan is None:
@@ -193,6 +195,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason,
                       create_graph)
     if create_graph:
+        nodes = walk.as_list(nodes)
         done, res = higher_order.run(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
                                      allow_unused)
         if not done:

@@ -83,7 +83,7 @@ def accumulate_leaves(plan: Plan, nodes, buf, ctx: "CallContext", sinks=None) ->
     nat = native.module()
     if nat is not None and sinks:
         grads = [buf[s] for _, s in sinks]
-        done = nat.steal_grads([nodes[ai] for ai, _ in sinks], grads, ctx.protected)
+        done = nat.steal_grads(nodes, grads, ctx.protected, [ai for ai, _ in sinks])
         for (ai, _), g, d in zip(sinks, grads, done):
             if not d and g is not None:
                 accumulate_leaf(nodes[ai], g, ctx)

@@ -47,7 +47,7 @@ def release_nodes(nodes, indices, infos) -> None:
     ``Node::release_variables()``, else :func:`release_saved` from Python."""
     nat = native.module()
     if nat is not None:
-        nat.release([nodes[i] for i in indices])
+        nat.release(nodes, indices)
     else:
         for i in indices:
             release_saved(nodes[i], infos[i].raw_saved)

@@ -65,7 +65,8 @@ class EdgeMeta(NamedTuple):
     is_cpp_nested_tensor: bool
 
 
-def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool, wanted=None, saved_hooks=False):
+def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool, wanted=None, saved_hooks=False,
+              lazy=False):
     """:func:`walk` through the native helper where it is built: the same nodes in the same order
     and the index, but the structure key is ``bytes`` (for the plan cache only; :func:`walk`
     gives the tuple form :func:`build_plan` reads), and the input metadata are :class:`EdgeMeta`
@@ -76,16 +77,24 @@ def walk_fast(root_edges, check_tensor_hooks: bool, check_node_hooks: bool, want
 
     With ``saved_hooks`` a sixth item: {node index: unpack hook identity} of the nodes whose saved
     tensors have hooks (``saved_tensors_hooks``: torch.utils.checkpoint, offloading), read from
-    C++; None without the native helper (which alone can see them)."""
+    C++; None without the native helper (which alone can see them).
+
+    With ``lazy`` the nodes are the helper's ``NodeList`` (where it is built): indexable like the
+    list, each node's Python object made on its first access (see :func:`as_list`)."""
     nat = native.module()
     if nat is None:
         r = walk(root_edges, check_tensor_hooks, check_node_hooks)
         return (*r, None) if saved_hooks else r
-    nodes, key, index, metas, flags, saved_hooked = nat.walk([n for n, _ in root_edges], EdgeMeta, wanted)
+    nodes, key, index, metas, flags, saved_hooked = nat.walk([n for n, _ in root_edges], EdgeMeta, wanted, lazy)
     hooked = {i: NativeHooks(f) for i, f in flags.items()} if flags else {}  # every hook, C++ too
     if saved_hooks:
         return nodes, metas, hooked, key, index, saved_hooked
     return nodes, metas, hooked, key, index
+
+
+def as_list(nodes) -> list:
+    """The nodes of a walk as a list of node objects (a lazy walk's ``NodeList`` made whole)."""
+    return nodes if type(nodes) is list else nodes.list()
 
 
 def find_hooks(nodes, check_tensor_hooks: bool, check_node_hooks: bool) -> dict:

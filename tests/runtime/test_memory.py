@@ -381,3 +381,63 @@ def test_second_backward_without_saved_tensors_works_as_in_eager():
         run(loss)
         run(loss)
         torch.testing.assert_close(x.grad, torch.full((3,), -2.0))
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * g + 0 * x
+
+
+def test_lazy_walk_is_the_walk_and_a_hit_makes_no_node_objects(monkeypatch):
+    """walk(lazy=True) gives the list walk's nodes (each node object made on first access, the same
+    object as the node's own), index, key and metadata; a custom Function's node is read through its
+    ctx. A cache-hit backward makes Python objects only for the roots and the nodes Python reads (here
+    none), and gives eager's grads."""
+    _require_native()
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(5, 4)
+
+    def loss():
+        h = torch.tanh(x @ w)
+        return (_Twice.apply(h) * h.exp()).sum()
+
+    walk.walk_fast([(loss().grad_fn, 0)], False, False, (), lazy=True)  # first sight of each node class
+    y = loss()
+    lazy = walk.walk_fast([(y.grad_fn, 0)], False, False, (), lazy=True)
+    full = walk.walk_fast([(y.grad_fn, 0)], False, False, ())
+    # before any access: the root's object and the custom Function's node (its ctx) only
+    assert type(lazy[0]) is not list and lazy[0].made() == 2
+    assert lazy[0].list() == full[0] == walk.walk([(y.grad_fn, 0)], False, False)[0]
+    assert lazy[3] == full[3] and lazy[4] == full[4]
+    assert [tuple(m) for m in lazy[1]] == [tuple(m) for m in full[1]]
+    assert lazy[0][len(full[0]) - 1] is full[0][-1] and lazy[0][-1] is full[0][-1]
+    with pytest.raises(IndexError):
+        lazy[0][len(full[0])]
+
+    made = []
+    orig = engine.execute
+
+    def execute(plan, nodes, metas, grads, ctx):
+        out = orig(plan, nodes, metas, grads, ctx)
+        made.append(nodes.made() if type(nodes) is not list else None)
+        return out
+
+    monkeypatch.setattr(engine, "execute", execute)
+    for _ in range(4):
+        w.grad = None
+        loss().backward()
+        want = w.grad.clone()
+        w.grad = None
+        rt.backward(loss(), backend="aot_eager")
+        torch.testing.assert_close(w.grad, want)
+    # the first call plans (every node object); then only the root, the custom Function's node
+    # (the walk reads its ctx) and w's AccumulateGrad (the sparse-leaf check of mm's formula reads
+    # w's layout) of the 7 nodes
+    assert made[0] is None and made[1:] == [3, 3, 3] and len(full[0]) == 7, made
