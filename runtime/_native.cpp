@@ -572,17 +572,7 @@ class Program {
         }
         fields = saved_state::class_info(fn.get(), t[2].ptr()).fields;
       } else if (k == "saved" || k == "saved_none") {
-        std::string name = pybind11::str(t[1]);
-        if (fields != nullptr) {
-          for (const auto& f : fields->fields) {
-            if (f.kind == saved_state::kSaved && name == f.name) {
-              op.field = &f;
-            }
-          }
-        }
-        if (op.field == nullptr) {
-          throw pybind11::key_error(name);
-        }
+        op.field = &field_named(fields, t[1], [](saved_state::Kind fk) { return fk == saved_state::kSaved; });
         if (k == "saved") {
           op.kind = kSavedTensor;
           op.obj = keep(t[2]);
@@ -610,17 +600,7 @@ class Program {
       } else if (k == "value") {
         // ("value", field, signed, sym, expected): a plain saved value (see Kind kScalar..kDouble)
         op.kind = kValue;
-        std::string name = pybind11::str(t[1]);
-        if (fields != nullptr) {
-          for (const auto& f : fields->fields) {
-            if (f.kind >= saved_state::kScalar && name == f.name) {
-              op.field = &f;
-            }
-          }
-        }
-        if (op.field == nullptr) {
-          throw pybind11::key_error(name);
-        }
+        op.field = &field_named(fields, t[1], [](saved_state::Kind fk) { return fk >= saved_state::kScalar; });
         op.as_unsigned = !t[2].cast<bool>();
         op.sym = t[3].cast<bool>();
         pybind11::handle v = t[4];
@@ -678,17 +658,7 @@ class Program {
           // ("list_sizes", ranks, dim member or None): with cat's dim member (an int64_t) one
           // invalid edge's sizes are recovered from the output, as _state.list_sizes(cat_dim=)
           if (k == "list_sizes" && t.size() > 2 && !t[2].is_none()) {
-            std::string name = pybind11::str(t[2]);
-            if (fields != nullptr) {
-              for (const auto& f : fields->fields) {
-                if (f.kind == saved_state::kInt && name == f.name) {
-                  op.field = &f;
-                }
-              }
-            }
-            if (op.field == nullptr) {
-              throw pybind11::key_error(name);
-            }
+            op.field = &field_named(fields, t[2], [](saved_state::Kind fk) { return fk == saved_state::kInt; });
           }
         }
       } else if (k == "options") {
@@ -711,6 +681,25 @@ class Program {
       }
       ops_.push_back(op);
     }
+  }
+
+  // the field `name` of the node class's saved-state table whose kind `accept`s (KeyError if none)
+  template <typename Accept>
+  static const saved_state::Field& field_named(const saved_state::ClassFields* fields, pybind11::handle name_obj,
+                                               Accept accept) {
+    std::string name = pybind11::str(name_obj);
+    const saved_state::Field* out = nullptr;
+    if (fields != nullptr) {
+      for (const auto& f : fields->fields) {
+        if (accept(f.kind) && name == f.name) {
+          out = &f;
+        }
+      }
+    }
+    if (out == nullptr) {
+      throw pybind11::key_error(name);
+    }
+    return *out;
   }
 
   // (T, I) or (T, I, token) or None; see the comment above the namespace and arm. Armed: (T, None,
@@ -938,22 +927,13 @@ class Program {
           break;
         }
         case kMetaDtype: {
-          if (cur == nullptr || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+          const torch::autograd::InputMetadata* md = nullptr;
+          EdgeRead r = edge_meta(op, cur, md);
+          if (r == kEdgeFail || (r == kEdgeInvalid && op.scalar != -1)) {
             return pybind11::none();
           }
-          const auto& e = cur->next_edge(static_cast<size_t>(op.a));
-          if (!e.is_valid()) {
-            if (op.scalar != -1) {
-              return pybind11::none();
-            }
-            break;
-          }
-          if (e.input_nr >= e.function->num_inputs()) {
-            return pybind11::none();
-          }
-          const auto& md = e.function->input_metadata(e.input_nr);
-          if (md.was_default_constructed() ||
-              static_cast<int>(c10::typeMetaToScalarType(md.dtype())) != op.scalar) {
+          if (r == kEdgeMeta && (md->was_default_constructed() ||
+                                 static_cast<int>(c10::typeMetaToScalarType(md->dtype())) != op.scalar)) {
             return pybind11::none();
           }
           break;
@@ -984,21 +964,12 @@ class Program {
           break;
         }
         case kLayout: {
-          if (cur == nullptr || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+          const torch::autograd::InputMetadata* md = nullptr;
+          EdgeRead r = edge_meta(op, cur, md);
+          if (r == kEdgeFail || (r == kEdgeInvalid && op.scalar != -1)) {
             return pybind11::none();
           }
-          const auto& e = cur->next_edge(static_cast<size_t>(op.a));
-          if (!e.is_valid()) {
-            if (op.scalar != -1) {
-              return pybind11::none();
-            }
-            break;
-          }
-          if (op.scalar != 1 || e.input_nr >= e.function->num_inputs()) {
-            return pybind11::none();
-          }
-          const auto& md = e.function->input_metadata(e.input_nr);
-          if (md.was_default_constructed() || md.is_nested_tensor()) {
+          if (r == kEdgeMeta && (op.scalar != 1 || md->was_default_constructed() || md->is_nested_tensor())) {
             return pybind11::none();
           }
           break;
@@ -1031,35 +1002,22 @@ class Program {
           }
           break;
         }
-        case kListSizes: {
-          if (cur == nullptr || !list_sizes(st, op, cur)) {
-            return pybind11::none();
-          }
-          break;
-        }
         case kOptions: {
-          if (cur == nullptr || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+          const torch::autograd::InputMetadata* md = nullptr;
+          EdgeRead r = edge_meta(op, cur, md);
+          if (r == kEdgeFail || (r == kEdgeInvalid && op.scalar != -1)) {
             return pybind11::none();
           }
-          const auto& e = cur->next_edge(static_cast<size_t>(op.a));
-          if (!e.is_valid()) {
-            if (op.scalar != -1) {
-              return pybind11::none();
-            }
-            break;
-          }
-          if (op.scalar == -1 || e.input_nr >= e.function->num_inputs()) {
-            return pybind11::none();
-          }
-          const auto& md = e.function->input_metadata(e.input_nr);
-          if (md.was_default_constructed() || md.is_nested_tensor() ||
-              static_cast<int>(c10::typeMetaToScalarType(md.dtype())) != op.scalar || md.device() != op.device) {
+          if (r == kEdgeMeta && (op.scalar == -1 || md->was_default_constructed() || md->is_nested_tensor() ||
+                                 static_cast<int>(c10::typeMetaToScalarType(md->dtype())) != op.scalar ||
+                                 md->device() != op.device)) {
             return pybind11::none();
           }
           break;
         }
+        case kListSizes:
         case kValue: {
-          if (cur == nullptr || !value(st, op, cur)) {
+          if (cur == nullptr || !(op.kind == kValue ? value(st, op, cur) : list_sizes(st, op, cur))) {
             return pybind11::none();
           }
           break;
@@ -1146,6 +1104,23 @@ class Program {
       }
     }
     return true;
+  }
+  // the input metadata behind edge op.a of the current node (kEdgeMeta, md set), an invalid edge
+  // (kEdgeInvalid), or neither: no such edge or input (kEdgeFail)
+  enum EdgeRead { kEdgeMeta, kEdgeInvalid, kEdgeFail };
+  static EdgeRead edge_meta(const Op& op, Node* cur, const torch::autograd::InputMetadata*& md) {
+    if (cur == nullptr || op.a >= static_cast<int64_t>(cur->num_outputs())) {
+      return kEdgeFail;
+    }
+    const auto& e = cur->next_edge(static_cast<size_t>(op.a));
+    if (!e.is_valid()) {
+      return kEdgeInvalid;
+    }
+    if (e.input_nr >= e.function->num_inputs()) {
+      return kEdgeFail;
+    }
+    md = &e.function->input_metadata(e.input_nr);
+    return kEdgeMeta;
   }
   static bool same_type(const std::type_info& a, const std::type_info& b) {
     return &a == &b || a == b;
