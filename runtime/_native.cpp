@@ -159,40 +159,29 @@ torch::autograd::Node* node_in(pybind11::handle nodes, NodeList* nl, Py_ssize_t 
 // Returns how many nodes were released (objects that are not autograd nodes are skipped). A
 // custom Function's node (PyNode) releases the tensors its ctx saved. With `indices`: the nodes
 // nodes[i] for i in indices (nodes: a walk's NodeList or a sequence of node objects).
-Py_ssize_t release_at(pybind11::handle nodes, pybind11::handle indices) {
+Py_ssize_t release(pybind11::handle nodes, pybind11::handle indices) {
   NodeList* nl = node_list(nodes);
   Py_ssize_t released = 0;
-  for (auto ix : indices) {
+  auto release_one = [&](Py_ssize_t i) {
     NodeRef keep;
-    torch::autograd::Node* fn = node_in(nodes, nl, ix.cast<Py_ssize_t>(), keep);
-    if (fn != nullptr) {
+    if (torch::autograd::Node* fn = node_in(nodes, nl, i, keep)) {
       fn->release_variables();
       ++released;
     }
-  }
-  return released;
-}
-
-Py_ssize_t release(pybind11::handle nodes, pybind11::handle indices) {
-  if (!indices.is_none()) {
-    return release_at(nodes, indices);
-  }
-  PyObject* seq = PySequence_Fast(nodes.ptr(), "vjpgen native.release: expected a sequence of nodes");
-  if (seq == nullptr) {
-    throw pybind11::error_already_set();
-  }
-  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
-  Py_ssize_t released = 0;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* o = items[i];
-    auto fn = node_of(o);
-    if (fn) {
-      fn->release_variables();
-      ++released;
+  };
+  if (indices.is_none()) {
+    const Py_ssize_t n = PyObject_Length(nodes.ptr());
+    if (n < 0) {
+      throw pybind11::error_already_set();
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      release_one(i);
+    }
+  } else {
+    for (auto ix : indices) {
+      release_one(ix.cast<Py_ssize_t>());
     }
   }
-  Py_DECREF(seq);
   return released;
 }
 
@@ -763,10 +752,6 @@ class Program {
     armed_ = std::move(ex);
   }
 
-  bool armed() const {
-    return static_cast<bool>(armed_);
-  }
-
   // for a caller that never arms the program: unarmed runs give no token (nothing recorded)
   void never_arm() {
     misses_ = kMaxMisses;
@@ -837,12 +822,20 @@ class Program {
     }
     return true;
   }
-  // one int of I: appended (unarmed), or compared with the armed call's
-  bool put(RunState& st, int64_t x, bool as_unsigned) {
+  // one int of I as read: compared with the armed call's, or recorded for a token (unarmed)
+  static bool note_int(RunState& st, int64_t x) {
     if (st.expect != nullptr) {
       return st.ipos < st.expect->ints.size() && st.expect->ints[st.ipos++] == x;
     }
     st.seen->push_back(x);
+    return true;
+  }
+  // one int of I: appended (unarmed), or compared with the armed call's
+  bool put(RunState& st, int64_t x, bool as_unsigned) {
+    if (st.expect != nullptr) {  // armed: compared, no I built
+      return note_int(st, x);
+    }
+    note_int(st, x);  // recorded for a token
     PyObject* o = as_unsigned ? PyLong_FromUnsignedLongLong(static_cast<uint64_t>(x)) : PyLong_FromLongLong(x);
     if (o == nullptr) {
       throw pybind11::error_already_set();
@@ -1095,12 +1088,8 @@ class Program {
         st.recordable = false;
         continue;
       }
-      if (st.expect != nullptr) {
-        if (st.ipos >= st.expect->ints.size() || st.expect->ints[st.ipos++] != x) {
-          return false;
-        }
-      } else {
-        st.seen->push_back(x);
+      if (!note_int(st, x)) {
+        return false;
       }
     }
     return true;
@@ -1840,7 +1829,7 @@ pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybin
   }
   // the leaves: nodes[i] for i in indices (nodes: a lazy walk's NodeList or a list), or nodes
   const bool by_index = !indices.is_none();
-  NodeList* nl = by_index ? node_list(nodes) : nullptr;
+  NodeList* nl = node_list(nodes);
   pybind11::sequence ix = pybind11::reinterpret_borrow<pybind11::sequence>(by_index ? indices : nodes);
   size_t n = ix.size();
   if (gs.size() != n) {
@@ -1849,16 +1838,9 @@ pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybin
   for (size_t i = 0; i < n; ++i) {
     pybind11::object grad = gs[i];
     bool done = false;
-    NodeRef fn;
-    torch::autograd::Node* fp = nullptr;
-    if (by_index) {
-      fp = node_in(nodes, nl, ix[i].cast<Py_ssize_t>(), fn);
-    } else {
-      pybind11::object node = ix[i];
-      fn = node_of(node.ptr());
-      fp = fn.get();
-    }
-    auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fp);
+    NodeRef keep;
+    auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(
+        node_in(nodes, nl, by_index ? ix[i].cast<Py_ssize_t>() : static_cast<Py_ssize_t>(i), keep));
     if (acc != nullptr && THPVariable_Check(grad.ptr())) {
       const at::Tensor& var = acc->variable;
       const at::Tensor& g = THPVariable_Unpack(grad.ptr());
@@ -2108,7 +2090,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &native_gather::Program::run, pybind11::arg("nodes"), pybind11::arg("metas"),
            pybind11::arg("buf"))
       .def("arm", &native_gather::Program::arm, pybind11::arg("token"), pybind11::arg("entry"))
-      .def_property_readonly("armed", &native_gather::Program::armed)
       .def("never_arm", &native_gather::Program::never_arm);
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }
