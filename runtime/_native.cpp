@@ -380,8 +380,7 @@ int64_t hook_key(const SavedVariable& v) {
 
 // The hook key (see hook_key) of the first saved tensor of a node that has hooks, 0 when none
 // has: the saved tensors of a generated node (from the table) or of a custom Function's ctx.
-int64_t saved_hook_key(Node* fn, PyObject* obj) {
-  const ClassInfo& info = class_info(fn, obj);
+int64_t saved_hook_key(const ClassInfo& info, Node* fn, PyObject* obj) {
   if (info.py_function) {
     for (const auto& v : reinterpret_cast<THPFunction*>(obj)->saved_variables) {
       if (int64_t k = hook_key(v)) {
@@ -405,6 +404,10 @@ int64_t saved_hook_key(Node* fn, PyObject* obj) {
     }
   }
   return 0;
+}
+
+int64_t saved_hook_key(Node* fn, PyObject* obj) {
+  return saved_hook_key(class_info(fn, obj), fn, obj);
 }
 
 pybind11::object int_or_none(const c10::SymInt& s) {
@@ -694,7 +697,8 @@ class Program {
   // (T, I) or (T, I, token) or None; see the comment above the namespace and arm. Armed: (T, None,
   // entry) where every tensor and int matched the armed call, else what an unarmed run gives.
   pybind11::object run(pybind11::handle nodes, pybind11::handle metas, pybind11::handle buf) {
-    if ((!PyList_Check(nodes.ptr()) && node_list(nodes) == nullptr) || !PyList_Check(buf.ptr())) {
+    NodeList* lst = PyList_Check(nodes.ptr()) ? nullptr : node_list(nodes);  // a lazy walk's
+    if ((lst == nullptr && !PyList_Check(nodes.ptr())) || !PyList_Check(buf.ptr())) {
       return pybind11::none();
     }
     std::shared_ptr<const Expectation> ex = armed_;  // this run's (another thread may re-arm meanwhile)
@@ -702,7 +706,7 @@ class Program {
       const auto& tls = c10::impl::tls_local_dispatch_key_set();
       if (tls.included_.raw_repr() == ex->tls_included && tls.excluded_.raw_repr() == ex->tls_excluded) {
         RunState st{nullptr, ex.get()};
-        pybind11::object r = run_once(nodes.ptr(), metas, buf.ptr(), st);
+        pybind11::object r = run_once(nodes.ptr(), lst, metas, buf.ptr(), st);
         if (!r.is_none() && st.ipos == ex->ints.size()) {
           return pybind11::make_tuple(r, pybind11::none(), ex->entry);
         }
@@ -715,7 +719,7 @@ class Program {
     auto rec = std::make_shared<Expectation>();
     pybind11::list I;
     RunState st{I.ptr(), nullptr, 0, &rec->ints};
-    pybind11::object T = run_once(nodes.ptr(), metas, buf.ptr(), st);
+    pybind11::object T = run_once(nodes.ptr(), lst, metas, buf.ptr(), st);
     if (T.is_none()) {
       return T;
     }
@@ -848,9 +852,8 @@ class Program {
     return true;
   }
 
-  // T or None: one pass of the ops
-  pybind11::object run_once(PyObject* nl, pybind11::handle metas, PyObject* bl, RunState& st) {
-    NodeList* lst = PyList_Check(nl) ? nullptr : node_list(pybind11::handle(nl));  // a lazy walk's
+  // T or None: one pass of the ops over the nodes nl (lst: the same as a lazy walk's NodeList)
+  pybind11::object run_once(PyObject* nl, NodeList* lst, pybind11::handle metas, PyObject* bl, RunState& st) {
     const Py_ssize_t n_nodes = lst != nullptr ? lst->size() : PyList_GET_SIZE(nl);
     pybind11::list T;
     PyObject* tl = T.ptr();
@@ -1710,7 +1713,7 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
     }
     const saved_state::ClassInfo& ci = known != nullptr ? *known : saved_state::class_info(fn, obj);
     if (with_metas) {
-      if (int64_t sk = saved_state::saved_hook_key(fn, obj)) {
+      if (int64_t sk = saved_state::saved_hook_key(ci, fn, obj)) {  // (the class looked up once)
         saved_hooked[pybind11::int_(static_cast<int64_t>(i))] = pybind11::int_(sk);
       }
       pybind11::object m = pybind11::reinterpret_steal<pybind11::object>(node_metas(fn, obj, meta_type, nl, i));
