@@ -291,9 +291,10 @@ def compiled_autograd_ctx():
 BREAKDOWN = ["walk", "gather", "guards", "release", "compiled graph", "leaf sinks", "rest of the call"]
 
 
-def smoke_stages(stages) -> list:
-    """The stages a smoke run must see measured: all of ``stages`` but the guards where the native
-    helper is built (an armed native gather checks them, inside "gather": find is not called)."""
+def expected_stages(stages) -> list:
+    """The stages whose timers must measure something (vjpgen_breakdown, the smoke runs): all of
+    ``stages`` but the guards where the native helper is built (an armed native gather checks them,
+    inside "gather": find is not called)."""
     return [k for k in stages if k != "guards" or rt_native.module() is None]
 
 
@@ -350,9 +351,7 @@ def vjpgen_breakdown(step, min_time: float | None = None, expect=None) -> dict:
     finally:
         for mod, attr, f in saved:
             setattr(mod, attr, f)
-    if expect is None:  # every stage, but the guards run inside an armed native gather
-        expect = [lb for lb in labels if lb != "guards" or rt_native.module() is None]
-    expect = set(expect)
+    expect = set(expected_stages(labels) if expect is None else expect)
     never = [f"{mod.__name__}.{attr} ({label})" for mod, attr, label in STAGE_TIMERS
              if label in expect and count[label] == 0]
     if never:
@@ -733,7 +732,8 @@ def bench_overhead(sizes, device, threads, rounds, min_run_time, log):
     for row in rows:  # the stage timers of vjpgen_breakdown, per node (after the timing: they add ~0.2 µs a stage)
         # (retain_graph: nothing is released)
         br = vjpgen_breakdown(fns[f"hit {row['nodes']}"], min_time=0.6 * BREAKDOWN_S,
-                              expect=[lb for _, _, lb in STAGE_TIMERS if lb not in ("release", "guards")])
+                              expect=[lb for lb in expected_stages([lb for _, _, lb in STAGE_TIMERS])
+                                      if lb != "release"])
         br.pop("calls per backward")
         row["stage_ns_per_node"] = {k: v * 1e3 / row["nodes"] for k, v in br.items()}
     out = []
@@ -1035,14 +1035,14 @@ def smoke_report(out) -> int:
         flatten(f"{m} step ms/", r["step_ms"], timers)
         flatten(f"{m} first step s/", r["first_step_s"], timers)
         flatten(f"{m} peak bytes/", r["peak_mem_bytes"], timers)
-        flatten(f"{m} breakdown us/", {k: r["vjpgen_breakdown_us"][k] for k in smoke_stages(BREAKDOWN)}, timers)
+        flatten(f"{m} breakdown us/", {k: r["vjpgen_breakdown_us"][k] for k in expected_stages(BREAKDOWN)}, timers)
         if r.get("floor_gap_ms"):
             flatten(f"{m} profiled wall ms/", {k: v["profiled wall"] for k, v in r["floor_gap_ms"].items()}, timers)
     for o in out["cpu"].get("overhead") or []:
         timers[f"overhead {o['nodes']} hit us/node"] = o["per_node_us"]
         timers[f"overhead {o['nodes']} eager us/node"] = o["eager_per_node_us"]
         flatten(f"overhead {o['nodes']} stage ns/node/",
-                {k: v for k, v in o["stage_ns_per_node"].items() if k in smoke_stages(o["stage_ns_per_node"])
+                {k: v for k, v in o["stage_ns_per_node"].items() if k in expected_stages(o["stage_ns_per_node"])
                  and k != "release"}, timers)
     return report("bench_backward", timers)
 
