@@ -56,6 +56,22 @@ def compare_native(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def gather_kinds(monkeypatch):
+    """The op kinds of each native program built during the test (empty without the helper)."""
+    kinds: list = []
+    nat = native.module()
+    if nat is not None:
+        orig = nat.Gather
+
+        def recording(ops, n):
+            kinds.append({op[0] for op in ops})
+            return orig(ops, n)
+
+        monkeypatch.setattr(nat, "Gather", recording)
+    return kinds
+
+
 def _expect_programs(seen):
     if native.module() is None:  # VJPGEN_NATIVE=0: the Python path alone
         assert seen["programs"] == 0
@@ -212,27 +228,18 @@ def _list_and_options(x, w, dim):
 
 
 @pytest.mark.parametrize("dim", [0, -1])
-def test_list_and_options_read_natively(dim, compare_native, monkeypatch):
+def test_list_and_options_read_natively(dim, compare_native, gather_kinds):
     """cat's sizes with an invalid edge and the TensorOptions of split / to_copy are read in C++:
     the program has no Python part, gives what the Python gather gives on every call, and the
     grads are eager's."""
-    nat = native.module()
-    kinds: list = []
-    if nat is not None:
-        orig = nat.Gather
-
-        def recording(ops, n):
-            kinds.append({op[0] for op in ops})
-            return orig(ops, n)
-
-        monkeypatch.setattr(nat, "Gather", recording)
+    kinds = gather_kinds
     x = torch.randn(4, 6, requires_grad=True)
     w = torch.randn(6, 8, requires_grad=True)
     for _ in range(3):
         _grads_match(lambda: rt.backward(_list_and_options(x, w, dim), backend=BK),
                      lambda: _list_and_options(x, w, dim).backward(), [x, w])
     _expect_programs(compare_native)
-    if nat is not None:
+    if native.module() is not None:
         assert kinds and all("py" not in k for k in kinds), kinds
         assert any({"list_sizes", "options"} <= k for k in kinds), kinds
 
@@ -280,19 +287,14 @@ def test_steady_calls_take_the_armed_entry(monkeypatch):
     assert calls["find"] == (3 if native.module() is None else 0)
 
 
-def test_armed_program_checks_tensors_of_python_parts(compare_native, monkeypatch):
+def test_armed_program_checks_tensors_of_python_parts(compare_native, gather_kinds):
     """index's saved index tensors are read by a Python part of the program: an armed program
     compares them too (here a strided index of the same values goes to the guards)."""
-    nat = native.module()
-    kinds: list = []
-    if nat is not None:
-        orig = nat.Gather
-        monkeypatch.setattr(nat, "Gather", lambda ops, n: (kinds.append({op[0] for op in ops}), orig(ops, n))[1])
     x = torch.randn(8, 3, requires_grad=True)
     flat = torch.tensor([1, 0, 3, 0, 5, 0, 1, 0])
     for idx in (flat[::2].clone(), flat[::2].clone(), flat[::2].clone(), flat[::2], flat[::2], flat[::2].clone()):
         _grads_match(lambda: rt.backward((x[idx].sin() * 2.0).sum(), backend=BK),
                      lambda: (x[idx].sin() * 2.0).sum().backward(), [x])
     _expect_programs(compare_native)
-    if nat is not None:
-        assert any("py" in k for k in kinds), kinds
+    if native.module() is not None:
+        assert any("py" in k for k in gather_kinds), gather_kinds
