@@ -13,6 +13,7 @@ import torch
 from . import capture, decide, engine, graph_task, higher_order, hooks, kernels, leaves, native, walk
 from . import plan as plan_mod
 from . import saved as _saved
+from .call_context import OnesRoot
 from .sparse import leaf_node
 from .stats import STATS, record_break, record_eager_fallback
 
@@ -97,7 +98,7 @@ def _make_grads(outputs, grad_outputs) -> tuple:
     if len(outputs) == 1 and grad_outputs[0] is None:
         out = outputs[0]
         if type(out) is torch.Tensor and out.requires_grad and out.numel() == 1 and out.dtype.is_floating_point:
-            return (torch.ones_like(out, memory_format=torch.preserve_format),)
+            return OnesRoot((torch.ones_like(out, memory_format=torch.preserve_format),))
     return torch.autograd._make_grads(outputs, grad_outputs, is_grads_batched=False)
 
 
@@ -107,19 +108,19 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     Python's cyclic GC is paused for the call (and resumed while a region compiles): the walk
     allocates a tuple or two per node, and on a graph of 10,000 nodes the collections this
     triggers made the per-node cost grow with the graph."""
-    if not gc.isenabled():
-        with _saved.per_call():  # each node's saved values are read once (saved-tensor hooks)
-            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
-                             create_graph)
-    gc.disable()
-    engine.GC_PAUSED = True
+    pause = gc.isenabled()
+    if pause:
+        gc.disable()
+        engine.GC_PAUSED = True
+    memo = _saved.begin()  # each node's saved values are read once (saved-tensor hooks)
     try:
-        with _saved.per_call():
-            return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
-                             create_graph)
+        return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
+                         create_graph)
     finally:
-        engine.GC_PAUSED = False
-        gc.enable()
+        _saved.end(memo)
+        if pause:
+            engine.GC_PAUSED = False
+            gc.enable()
 
 
 def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False):

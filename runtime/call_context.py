@@ -14,3 +14,11 @@ class CallContext:
         self.backend = backend
         self.release = release  # no retain_graph: free saved tensors as the nodes run
         self.acc_final = None  # the acc sinks left for accumulate_leaves (set by execute)
+
+
+class OnesRoot(tuple):
+    """Root grads the API made itself as ``ones_like(output)`` of a scalar loss: their shape, dtype
+    and device are the root edge's input metadata by construction, so the engine does not validate
+    them again."""
+
+    __slots__ = ()

@@ -28,7 +28,7 @@ import torch
 from . import capture, decide, fastpath, native
 from . import saved as _saved
 from .cache import Compiled, find, make_guard
-from .call_context import CallContext
+from .call_context import CallContext, OnesRoot
 from .leaves import accumulate_leaves
 from .live import _run_live, _run_live_leaves
 from .plan import Plan, Region, _partition
@@ -549,10 +549,13 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
         reasons = decide.layout_leaf_reasons(plan, nodes)
         if reasons:
             _mark_live(plan, reasons)
-    # the root grads are validated against the root edges (engine::execute)
+    # the root grads are validated against the root edges (engine::execute), unless the API made
+    # them as ones_like(output)
+    own = type(root_grads) is OnesRoot
     for (s, g), (ri, nr) in zip(zip(plan.root_slots, root_grads), plan.root_edges):
-        m = metas[ri][nr]
-        g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
+        if not own:
+            m = metas[ri][nr]
+            g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
         ctx.protected.add(id(g))
         buf[s] = g if buf[s] is None else buf[s] + g
     early = plan.acc_early  # a graph break found now re-partitions plan.steps and these

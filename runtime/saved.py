@@ -18,15 +18,26 @@ import threading
 _local = threading.local()  # .memo: id(node) -> its saved values, during one backward call
 
 
+def begin():
+    """Start a call's memo (nested calls get their own); returns what :func:`end` restores."""
+    outer = getattr(_local, "memo", None)
+    _local.memo = {}
+    return outer
+
+
+def end(outer) -> None:
+    """End the call's memo that :func:`begin` started."""
+    _local.memo = outer
+
+
 @contextlib.contextmanager
 def per_call():
     """Within the block each node's saved values are read once (nested calls get their own)."""
-    outer = getattr(_local, "memo", None)
-    _local.memo = {}
+    outer = begin()
     try:
         yield
     finally:
-        _local.memo = outer
+        end(outer)
 
 
 def forget(nodes) -> None:
