@@ -16,6 +16,7 @@
 // stealable(grad, var): whether AccumulateGrad may keep grad itself as var.grad.
 // steal_grads(nodes, grads, protected[, indices]): AccumulateGrad's common case for a batch of
 // leaves (nodes[i] for i in indices).
+// strided_leaves(nodes, indices): every nodes[i] is the AccumulateGrad of a strided tensor.
 // hook_flags(nodes): per node a bit set of the hooks the engine would run around it (C++ and
 // Python alike, whenever they were registered): see HookFlags.
 // call_node(node, grads, keep_graph): the engine's call_function for one node: tensor pre-hooks,
@@ -138,6 +139,17 @@ NodeList* node_list(pybind11::handle nodes) {
     return &nodes.cast<NodeList&>();
   }
   return nullptr;
+}
+
+// Asks for `lines` cache lines from p on (a hint: nothing is read, an invalid address is harmless).
+// After the compiled graph has run, the memory of a call's nodes, leaves and their tensors is out
+// of the cache, and code that reads them one after the other waits for each miss in turn; asking
+// for all of them first lets the misses overlap.
+inline void prefetch_lines(const void* p, int lines) {
+  const char* c = static_cast<const char*>(p);
+  for (int k = 0; k < lines; ++k) {
+    __builtin_prefetch(c + 64 * k);
+  }
 }
 
 // node i of `nodes` (a NodeList, or a sequence of node objects), held by `keep`
@@ -1738,6 +1750,7 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
       bool fresh = false;
       int64_t j = seen.find_or_insert(m, static_cast<int64_t>(order.size()), fresh);
       if (fresh) {
+        prefetch_lines(m, 4);  // read when the walk reaches it, later in breadth-first order
         order.push_back(m);
         if (nl != nullptr) {
           nl->refs.push_back(e.function);
@@ -1817,12 +1830,50 @@ bool no_hooks(PyObject* hooks) {  // Python's `not var._backward_hooks`
   return t == 0;
 }
 
+// The memory steal_grads reads for the leaves nl->refs[ix[i]] and grads gs[i] (a list), asked for
+// in three rounds, each reading what the one before asked for: the nodes (and where an
+// AccumulateGrad keeps its variable) and the grads' Python objects; the TensorImpls; the leaves'
+// autograd metadata (their .grad). Halved the leaf sinks of ViT-tiny (152 leaves, 250 -> 143 µs).
+void prefetch_leaves(NodeList* nl, pybind11::sequence ix, size_t n, pybind11::sequence gs) {
+  std::vector<torch::autograd::Node*> fs(n, nullptr);
+  std::vector<PyObject*> go(n, nullptr);
+  for (size_t i = 0; i < n; ++i) {
+    Py_ssize_t at = ix ? ix[i].cast<Py_ssize_t>() : static_cast<Py_ssize_t>(i);
+    if (at >= 0 && static_cast<size_t>(at) < nl->refs.size()) {
+      fs[i] = nl->refs[at].get();
+      prefetch_lines(fs[i], 2);
+      // (only an address: AccumulateGrad derives from Node alone, and nothing is read before the
+      // dynamic_cast below)
+      prefetch_lines(&static_cast<torch::autograd::AccumulateGrad*>(fs[i])->variable, 1);
+    }
+    go[i] = PySequence_Fast_GET_ITEM(gs.ptr(), static_cast<Py_ssize_t>(i));
+    prefetch_lines(go[i], 1);
+  }
+  std::vector<c10::TensorImpl*> vi(n, nullptr);
+  for (size_t i = 0; i < n; ++i) {
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fs[i])) {
+      vi[i] = acc->variable.unsafeGetTensorImpl();
+      prefetch_lines(vi[i], 3);
+    }
+    if (THPVariable_Check(go[i])) {
+      const at::Tensor& g = THPVariable_Unpack(go[i]);
+      prefetch_lines(g.unsafeGetTensorImpl(), 3);
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (vi[i] != nullptr && vi[i]->autograd_meta() != nullptr) {
+      prefetch_lines(vi[i]->autograd_meta(), 2);
+    }
+  }
+}
+
 // AccumulateGrad's common case for a batch of leaves (vjpgen.runtime.engine.accumulate_leaf's
 // fast path): where nodes[i] is an AccumulateGrad whose variable has no .grad and no tensor or
 // post-accumulate-grad hooks, and grads[i] is a tensor that does not require grad, is not in
 // `protected` (ids of tensors something else of this call holds) and is stealable() with the
 // variable's metadata, var.grad becomes grads[i] itself and its id joins `protected`.
 // Returns per leaf whether it was done; the caller accumulates the others itself.
+
 pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybind11::handle protected_ids,
                            pybind11::handle indices) {
   pybind11::list out;
@@ -1837,6 +1888,9 @@ pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybin
   size_t n = ix.size();
   if (gs.size() != n) {
     throw pybind11::value_error("vjpgen native.steal_grads: as many grads as nodes expected");
+  }
+  if (nl != nullptr && PyList_CheckExact(grads.ptr())) {
+    prefetch_leaves(nl, by_index ? ix : pybind11::sequence(), n, gs);
   }
   for (size_t i = 0; i < n; ++i) {
     pybind11::object grad = gs[i];
@@ -1868,6 +1922,21 @@ pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybin
     out.append(pybind11::bool_(done));
   }
   return out;
+}
+
+// Whether every nodes[i] (i in indices) is an AccumulateGrad whose variable is a strided tensor:
+// the per-call check of the leaves whose layout a traced formula reads (sparse.check_layout_leaves
+// runs in Python only when this is False), without a Python object per leaf.
+bool strided_leaves(pybind11::handle nodes, pybind11::handle indices) {
+  NodeList* nl = node_list(nodes);
+  for (auto i : indices) {
+    NodeRef keep;
+    auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node_in(nodes, nl, i.cast<Py_ssize_t>(), keep));
+    if (acc == nullptr || !acc->variable.defined() || acc->variable.layout() != c10::kStrided) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Bits of hook_flags(): which hooks the engine runs around a node.
@@ -2078,6 +2147,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen engine.accumulate_leaf)",
         pybind11::arg("nodes"), pybind11::arg("grads"), pybind11::arg("protected"),
         pybind11::arg("indices") = pybind11::none());
+  m.def("strided_leaves", &strided_leaves, "every nodes[i] (i in indices) is the AccumulateGrad of a strided tensor",
+        pybind11::arg("nodes"), pybind11::arg("indices"));
   m.def("hook_flags", &hook_flags, "{index: hook bits} for the nodes of a sequence that have hooks");
   m.def("call_node", &call_node, "the engine's call_function: hooks, the node, validate_outputs",
         pybind11::arg("node"), pybind11::arg("grads"), pybind11::arg("keep_graph"));

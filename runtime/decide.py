@@ -271,6 +271,11 @@ def leaf_layouts(plan) -> tuple:
     return sparse.layout_leaf_nodes(plan)
 
 
+def leaf_layout_accs(plan) -> tuple:
+    """The leaves whose layout :func:`layout_leaf_reasons` reads (indices of their AccumulateGrad)."""
+    return sparse.layout_leaf_accs(plan)
+
+
 def custom_function_module(cls):
     """The traceable module of a custom Function's node class, or None."""
     return custom_function.module_for(cls)

@@ -107,6 +107,7 @@ class Plan:
         self.acc_final: list = []  # acc sinks accumulated after the last step
         self.ran = False  # whether a call has executed this plan (see api._run_call)
         self.layout_leaves: tuple = ()  # traced nodes checked for a sparse leaf on every call (sparse.py)
+        self.layout_leaf_accs: tuple = ()  # the leaves (AccumulateGrad indices) those nodes read
         # node index -> group of the nodes whose saved tensors have hooks, one group per unpack
         # hook (a torch.utils.checkpoint block); regions are cut between groups (see _segments)
         self.saved_groups: dict = {}
@@ -280,6 +281,7 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
         infos[i].live = ("node", reason)
     _partition(p)
     p.layout_leaves = decide.leaf_layouts(p)
+    p.layout_leaf_accs = decide.leaf_layout_accs(p)
     return p
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from . import saved as _saved
 
 SPARSE_LAYOUTS = frozenset(
@@ -165,9 +166,23 @@ def layout_leaf_nodes(plan) -> tuple:
     return tuple(res)
 
 
+def layout_leaf_accs(plan) -> tuple:
+    """The AccumulateGrad node indices :func:`check_layout_leaves` reads a layout of (each once)."""
+    out = []
+    for i, edges in plan.layout_leaves:
+        for j, _, d, _ in plan.infos[i].out:
+            if (edges is None or j in edges) and plan.infos[d].is_acc and d not in out:
+                out.append(d)
+    return tuple(out)
+
+
 def check_layout_leaves(plan, nodes) -> dict:
     """Node index -> reason, for the traced nodes of :func:`layout_leaf_nodes` whose leaf is sparse
-    on this call (empty when none is; the cost is one layout read per such edge)."""
+    on this call (empty when none is). The native helper first checks in one call that all those
+    leaves are strided (the usual case), without making their nodes' Python objects."""
+    nat = native.module()
+    if nat is not None and plan.layout_leaf_accs and nat.strided_leaves(nodes, plan.layout_leaf_accs):
+        return {}
     out = {}
     for i, edges in plan.layout_leaves:
         if plan.infos[i].live is None and _sparse_leaf_edge(plan, i, nodes, edges) is not None:
