@@ -17,6 +17,7 @@
 // steal_grads(nodes, grads, protected[, indices]): AccumulateGrad's common case for a batch of
 // leaves (nodes[i] for i in indices).
 // strided_leaves(nodes, indices): every nodes[i] is the AccumulateGrad of a strided tensor.
+// scatter_outputs(outs, table, buf, protected): a compiled region's outputs into the grad buffer.
 // hook_flags(nodes): per node a bit set of the hooks the engine would run around it (C++ and
 // Python alike, whenever they were registered): see HookFlags.
 // call_node(node, grads, keep_graph): the engine's call_function for one node: tensor pre-hooks,
@@ -865,8 +866,34 @@ class Program {
   }
 
   // T or None: one pass of the ops over the nodes nl (lst: the same as a lazy walk's NodeList)
+  // The saved tensors the ops read, asked for before the first is read (see prefetch_lines): in
+  // one round the saved variables, in a second the TensorImpls they hold. The TensorImpl's address
+  // is read from the SavedVariable's first word, where torch keeps its data_ (torch gives no
+  // accessor that does not touch the tensor); it is only ever used as a prefetch address.
+  void prefetch(NodeList* lst) const {
+    const size_t n_nodes = lst->refs.size();
+    static thread_local std::vector<const SavedVariable*> svs;  // (a program may run in several threads)
+    svs.clear();
+    Node* cur = nullptr;
+    for (const Op& op : ops_) {
+      if (op.kind == kNode) {
+        cur = static_cast<size_t>(op.a) < n_nodes ? lst->refs[static_cast<size_t>(op.a)].get() : nullptr;
+      } else if (op.kind == kSavedTensor && cur != nullptr && op.field != nullptr && op.field->saved != nullptr) {
+        const SavedVariable* sv = &(cur->*(op.field->saved));
+        prefetch_lines(sv, 1);
+        svs.push_back(sv);
+      }
+    }
+    for (const SavedVariable* sv : svs) {
+      prefetch_lines(*reinterpret_cast<const void* const*>(sv), 3);
+    }
+  }
+
   pybind11::object run_once(PyObject* nl, NodeList* lst, pybind11::handle metas, PyObject* bl, RunState& st) {
     const Py_ssize_t n_nodes = lst != nullptr ? lst->size() : PyList_GET_SIZE(nl);
+    if (lst != nullptr) {
+      prefetch(lst);
+    }
     pybind11::list T;
     PyObject* tl = T.ptr();
     // a Python part appends to I: unarmed, the run's I; armed, a scratch list compared after it
@@ -1709,6 +1736,22 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
   const bool with_metas = !meta_type.is_none();
   for (size_t i = 0; i < order.size(); ++i) {
     torch::autograd::Node* fn = order[i];
+    // ahead of the nodes the walk reads next: the edge array of the node after next, and the nodes
+    // the next node's edges lead to (found then, each first touched by taking a reference to it).
+    // Walk stage, paired: ViT-tiny (640 nodes) -20%, LLaMA -8%, GPT-2 unchanged.
+    if (i + 2 < order.size()) {
+      const auto& e2 = order[i + 2]->next_edges();
+      if (!e2.empty()) {
+        prefetch_lines(e2.data(), 1);
+      }
+    }
+    if (i + 1 < order.size()) {
+      for (const auto& e : order[i + 1]->next_edges()) {
+        if (e.function) {
+          prefetch_lines(e.function.get(), 1);
+        }
+      }
+    }
     if (with_metas) {  // the hooks the engine would run around this node, while it is in the cache
       int64_t hf = flags_of(fn);
       if (hf != 0) {
@@ -1750,7 +1793,9 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
       bool fresh = false;
       int64_t j = seen.find_or_insert(m, static_cast<int64_t>(order.size()), fresh);
       if (fresh) {
-        prefetch_lines(m, 4);  // read when the walk reaches it, later in breadth-first order
+        // read when the walk reaches it, later in breadth-first order: a node's first 8 lines hold
+        // what the walk reads of it (Node is 464 bytes in torch 2.13; 4 lines gained less, 12 no more)
+        prefetch_lines(m, 8);
         order.push_back(m);
         if (nl != nullptr) {
           nl->refs.push_back(e.function);
@@ -1937,6 +1982,62 @@ bool strided_leaves(pybind11::handle nodes, pybind11::handle indices) {
     }
   }
   return true;
+}
+
+// A compiled region's outputs into the call's grad buffer (engine._run_region): `table` holds
+// three ints per region output: its slot s in buf, its position k in outs (-1: the graph produced
+// none) and flags (1: the slot's grad is replaced, not summed; 2: the output may alias an input,
+// so its id joins `protected`). buf[s] becomes outs[k], or buf[s] + outs[k] where buf[s] holds a
+// grad that is summed; an output not produced clears a replaced slot.
+void scatter_outputs(pybind11::handle outs, pybind11::handle table, pybind11::handle buf, pybind11::handle protected_ids) {
+  if (!PyList_CheckExact(buf.ptr()) || !PyTuple_CheckExact(table.ptr()) || !PySet_Check(protected_ids.ptr())) {
+    throw pybind11::type_error("vjpgen native.scatter_outputs: expected outs, a tuple, a list and a set");
+  }
+  PyObject* seq = PySequence_Fast(outs.ptr(), "vjpgen native.scatter_outputs: outs must be a sequence");
+  if (seq == nullptr) {
+    throw pybind11::error_already_set();
+  }
+  pybind11::object seq_owner = pybind11::reinterpret_steal<pybind11::object>(seq);
+  const Py_ssize_t n_outs = PySequence_Fast_GET_SIZE(seq);
+  const Py_ssize_t n = PyTuple_GET_SIZE(table.ptr());
+  const Py_ssize_t n_buf = PyList_GET_SIZE(buf.ptr());
+  if (n % 3 != 0) {
+    throw pybind11::value_error("vjpgen native.scatter_outputs: table of (slot, k, flags) triples expected");
+  }
+  for (Py_ssize_t i = 0; i < n; i += 3) {
+    const Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(table.ptr(), i));
+    const Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(table.ptr(), i + 1));
+    const long flags = PyLong_AsLong(PyTuple_GET_ITEM(table.ptr(), i + 2));
+    if (PyErr_Occurred()) {
+      throw pybind11::error_already_set();
+    }
+    if (s < 0 || s >= n_buf || k >= n_outs) {
+      throw pybind11::index_error("vjpgen native.scatter_outputs: slot or output out of range");
+    }
+    if (k < 0) {
+      if (flags & 1) {
+        PyList_SetItem(buf.ptr(), s, Py_NewRef(Py_None));
+      }
+      continue;
+    }
+    PyObject* g = PySequence_Fast_GET_ITEM(seq, k);
+    if (flags & 2) {
+      pybind11::object gid = pybind11::reinterpret_steal<pybind11::object>(PyLong_FromVoidPtr(g));
+      if (!gid || PySet_Add(protected_ids.ptr(), gid.ptr()) < 0) {
+        throw pybind11::error_already_set();
+      }
+    }
+    PyObject* cur = PyList_GET_ITEM(buf.ptr(), s);
+    if ((flags & 1) || cur == Py_None) {
+      PyList_SetItem(buf.ptr(), s, Py_NewRef(g));
+    } else {
+      PyObject* sum = PyNumber_Add(cur, g);
+      if (sum == nullptr) {
+        throw pybind11::error_already_set();
+      }
+      PyList_SetItem(buf.ptr(), s, sum);
+    }
+  }
 }
 
 // Bits of hook_flags(): which hooks the engine runs around a node.
@@ -2149,6 +2250,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("indices") = pybind11::none());
   m.def("strided_leaves", &strided_leaves, "every nodes[i] (i in indices) is the AccumulateGrad of a strided tensor",
         pybind11::arg("nodes"), pybind11::arg("indices"));
+  m.def("scatter_outputs", &scatter_outputs, "a compiled region's outputs into the grad buffer (see engine._run_region)",
+        pybind11::arg("outs"), pybind11::arg("table"), pybind11::arg("buf"), pybind11::arg("protected"));
   m.def("hook_flags", &hook_flags, "{index: hook bits} for the nodes of a sequence that have hooks");
   m.def("call_node", &call_node, "the engine's call_function: hooks, the node, validate_outputs",
         pybind11::arg("node"), pybind11::arg("grads"), pybind11::arg("keep_graph"));

@@ -70,7 +70,7 @@ class Compiled:
 
     __slots__ = (
         "fn", "present", "guard", "guard_src", "gm", "dyn_ints", "n_tensors", "dynamic", "hits", "aliases", "keep",
-        "conform",
+        "conform", "out_table",
     )
 
     def __init__(
@@ -93,6 +93,7 @@ class Compiled:
         # outputs checked against the input metadata eager's validate_outputs uses: None until the
         # first call, then False (they matched) or True (convert them on every call)
         self.conform = None
+        self.out_table = None  # engine._out_table: where each output goes (built on the first call)
 
     def args(self, T: list, I: list) -> list:
         """The argument list of :attr:`fn`: the tensors of ``T`` the graph reads, then the dynamic

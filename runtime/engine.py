@@ -470,22 +470,46 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
     del T
     if compiled.conform is not False:
         _conform_outputs(region, plan, compiled, outs, metas)
-    aliases = compiled.aliases
-    k = 0
-    for s, present, replace in zip(region.out_slots, compiled.present, region.out_replace):
-        if not present:
-            if replace:
+    table = compiled.out_table
+    if table is None:
+        table = compiled.out_table = _out_table(region, compiled)
+    nat = native.module()
+    (nat.scatter_outputs if nat is not None else scatter_outputs)(outs, table, buf, ctx.protected)
+    return True
+
+
+def scatter_outputs(outs, table, buf: list, protected: set) -> None:
+    """A compiled region's outputs into ``buf`` by :func:`_out_table`'s ``table`` (the native
+    helper's ``scatter_outputs`` does the same in one call)."""
+    for j in range(0, len(table), 3):
+        s, k, flags = table[j], table[j + 1], table[j + 2]
+        if k < 0:
+            if flags & 1:
                 buf[s] = None
             continue
         g = outs[k]
-        if aliases is None or aliases[k]:  # an input or a view of one: never stolen by a sink
-            ctx.protected.add(id(g))
-        k += 1
-        if replace or buf[s] is None:
+        if flags & 2:  # an input or a view of one: never stolen by a sink
+            protected.add(id(g))
+        if flags & 1 or buf[s] is None:
             buf[s] = g
         else:
             buf[s] = buf[s] + g
-    return True
+
+
+def _out_table(region: Region, compiled) -> tuple:
+    """Where a compiled region's outputs go, three ints per region output: its slot, its position
+    in the graph's outputs (-1: not produced) and flags (1: the slot's grad is replaced, not summed;
+    2: it may alias an input, so no sink may steal it). Read by native.scatter_outputs."""
+    aliases = compiled.aliases
+    out = []
+    k = 0
+    for s, present, replace in zip(region.out_slots, compiled.present, region.out_replace):
+        if not present:
+            out += (s, -1, 1 if replace else 0)
+            continue
+        out += (s, k, (1 if replace else 0) | (2 if aliases is None or aliases[k] else 0))
+        k += 1
+    return tuple(out)
 
 
 def _conform_outputs(region: Region, plan: Plan, compiled, outs: list, metas) -> None:

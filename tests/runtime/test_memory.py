@@ -350,6 +350,57 @@ def test_native_steal_grads():
     torch.testing.assert_close(c.grad, torch.zeros(3))  # untouched: accumulate_leaf adds in place
 
 
+def test_native_steal_grads_on_a_lazy_walk():
+    """steal_grads on a lazy walk's NodeList by indices (the path that prefetches the leaves first)
+    steals what it steals from a list of node objects: a fresh grad into an empty .grad, nothing for
+    a leaf with a .grad, a hook, or a grad already protected."""
+    _require_native()
+    nat = native.module()
+    a, b, c, d = (torch.randn(3, requires_grad=True) for _ in range(4))
+    c.grad = torch.zeros(3)
+    d.register_hook(lambda g: g * 2)
+    y = (a * 2 + b * 3 + c * 4 + d * 5).sum()
+    nodes, _, _, _, index, _ = walk.walk_fast([(y.grad_fn, 0)], False, False, (), saved_hooks=True, lazy=True)
+    assert type(nodes) is not list
+    full = nodes.list()
+    acc = {id(t): i for i, n in enumerate(full) for t in (a, b, c, d) if getattr(n, "variable", None) is t}
+    idx = [acc[id(t)] for t in (a, b, c, d)]
+    g_a, g_b, g_c, g_d = (torch.randn(3) for _ in range(4))
+    protected = {id(g_b)}
+    done = nat.steal_grads(nodes, [g_a, g_b, g_c, g_d], protected, idx)
+    assert done == [True, False, False, False]
+    assert a.grad is g_a and id(g_a) in protected
+    assert b.grad is None and d.grad is None
+    torch.testing.assert_close(c.grad, torch.zeros(3))
+
+
+def test_native_scatter_outputs_is_the_python_scatter():
+    """Every case of a region's output table (replace, sum into a held grad, fill an empty slot, an
+    output not produced clearing a replaced slot or leaving a summed one, aliasing outputs
+    protected) gives the native helper's buffer what engine.scatter_outputs gives."""
+    _require_native()
+    outs = [torch.full((2,), float(k + 1)) for k in range(4)]
+    held = [torch.full((2,), 10.0), torch.full((2,), 20.0), None, torch.full((2,), 30.0), torch.full((2,), 40.0), None]
+    # (slot, k, flags): replace slot 0; sum into slot 1 (aliasing); fill empty slot 2 (aliasing);
+    # replace slot 3 with nothing; leave summed slot 4 without an output; sum into empty slot 5
+    table = (0, 0, 1, 1, 1, 2, 2, 2, 2, 3, -1, 1, 4, -1, 0, 5, 3, 0)
+    runs = []
+    for scatter in (native.module().scatter_outputs, engine.scatter_outputs):
+        buf, protected = list(held), set()
+        scatter(outs, table, buf, protected)
+        runs.append((buf, protected))
+    (nb, np_), (pb, pp) = runs
+    assert np_ == pp == {id(outs[1]), id(outs[2])}
+    for a, b in zip(nb, pb):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+    assert nb[0] is outs[0] and nb[2] is outs[2] and nb[3] is None and nb[4] is held[4] and nb[5] is outs[3]
+    torch.testing.assert_close(nb[1], torch.full((2,), 22.0))
+    with pytest.raises(IndexError):
+        native.module().scatter_outputs(outs, (9, 0, 0), list(held), set())
+
+
 def test_one_grad_flowing_to_two_leaves_is_not_shared():
     """x1 + x2: the same grad tensor reaches both leaves; eager steals it for one and clones it
     for the other, so the two .grad never share memory."""
