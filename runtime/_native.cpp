@@ -865,7 +865,6 @@ class Program {
     return true;
   }
 
-  // T or None: one pass of the ops over the nodes nl (lst: the same as a lazy walk's NodeList)
   // The saved tensors the ops read, asked for before the first is read (see prefetch_lines): in
   // one round the saved variables, in a second the TensorImpls they hold. The TensorImpl's address
   // is read from the SavedVariable's first word, where torch keeps its data_ (torch gives no
@@ -889,6 +888,7 @@ class Program {
     }
   }
 
+  // T or None: one pass of the ops over the nodes nl (lst: the same as a lazy walk's NodeList)
   pybind11::object run_once(PyObject* nl, NodeList* lst, pybind11::handle metas, PyObject* bl, RunState& st) {
     const Py_ssize_t n_nodes = lst != nullptr ? lst->size() : PyList_GET_SIZE(nl);
     if (lst != nullptr) {
@@ -1918,7 +1918,6 @@ void prefetch_leaves(NodeList* nl, pybind11::sequence ix, size_t n, pybind11::se
 // `protected` (ids of tensors something else of this call holds) and is stealable() with the
 // variable's metadata, var.grad becomes grads[i] itself and its id joins `protected`.
 // Returns per leaf whether it was done; the caller accumulates the others itself.
-
 pybind11::list steal_grads(pybind11::handle nodes, pybind11::handle grads, pybind11::handle protected_ids,
                            pybind11::handle indices) {
   pybind11::list out;
