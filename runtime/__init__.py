@@ -15,6 +15,10 @@ from . import hooks as _hooks  # noqa: E402
 
 _hooks.install()
 
+from . import graph_task as _graph_task  # noqa: E402
+
+_graph_task.install()  # torch._C._will_engine_execute_node answers for vjpgen's calls too
+
 from .ca_kernels import (  # noqa: E402
     compiled_autograd_kernel_stats,
     compiled_autograd_kernels_enabled,

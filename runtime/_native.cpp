@@ -23,6 +23,8 @@
 // call_node(node, grads, keep_graph): the engine's call_function for one node: tensor pre-hooks,
 // retains_grad hooks, pre-hooks, the node, validate_outputs, post-hooks.
 // call_leaves(nodes, grads, keep_graph): call_node for a run of AccumulateGrad nodes.
+// tensor_pre_hooks(node, grads): the tensor pre-hooks and retains_grad hooks alone, as the engine
+// runs them on a captured grad whose node does not execute.
 // saved_value(node, name): a saved value of a generated node that torch gives Python no getter
 // for (TensorGeometry, optional<bool>), read from the node struct (see "saved state" below).
 // saved_hook_key(node): whether the node's saved tensors have hooks (the walk returns it per node).
@@ -2133,6 +2135,19 @@ torch::autograd::variable_list engine_call(torch::autograd::Node& fn, torch::aut
   return outputs;
 }
 
+// engine.cpp's call_tensor_pre_hooks: what the engine runs on the grads of a node it captures a
+// grad at but does not execute (a grad() input that is a leaf, or a non-leaf whose node is not
+// needed): the tensor pre-hooks and retains_grad hooks, nothing else.
+torch::autograd::variable_list engine_tensor_pre_hooks(torch::autograd::Node& fn, torch::autograd::variable_list inputs) {
+  for (const auto& hook : fn.tensor_pre_hooks()) {
+    inputs = (*hook)(inputs);
+  }
+  for (const auto& pair : fn.retains_grad_hooks()) {
+    inputs = (*pair.second)(inputs);
+  }
+  return inputs;
+}
+
 // Runs fn with the GIL released, as the engine runs nodes; a Python error raised inside (a Python
 // hook) is restored as the pending Python exception and a C++ error becomes a RuntimeError.
 template <typename F>
@@ -2181,6 +2196,36 @@ pybind11::list call_node(pybind11::handle node, pybind11::handle grads, bool kee
   }
   torch::autograd::variable_list outputs;
   without_gil([&] { outputs = engine_call(*fn, std::move(inputs), keep_graph); });
+  pybind11::list out;
+  for (auto& t : outputs) {
+    if (t.defined()) {
+      out.append(pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(t)));
+    } else {
+      out.append(pybind11::none());
+    }
+  }
+  return out;
+}
+
+// The tensor pre-hooks and retains_grad hooks of `node` on `grads` (see engine_tensor_pre_hooks);
+// one entry per input of the node. The GIL is released meanwhile, as in call_node.
+pybind11::list tensor_pre_hooks(pybind11::handle node, pybind11::handle grads) {
+  auto fn = node_of(node.ptr());
+  if (!fn) {
+    throw pybind11::type_error("vjpgen native.tensor_pre_hooks: expected an autograd node");
+  }
+  torch::autograd::variable_list inputs;
+  for (auto g : grads) {
+    if (g.is_none()) {
+      inputs.emplace_back();
+    } else if (THPVariable_Check(g.ptr())) {
+      inputs.push_back(THPVariable_Unpack(g.ptr()));
+    } else {
+      throw pybind11::type_error("vjpgen native.tensor_pre_hooks: grads must be tensors or None");
+    }
+  }
+  torch::autograd::variable_list outputs;
+  without_gil([&] { outputs = engine_tensor_pre_hooks(*fn, std::move(inputs)); });
   pybind11::list out;
   for (auto& t : outputs) {
     if (t.defined()) {
@@ -2257,6 +2302,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hook_flags", &hook_flags, "{index: hook bits} for the nodes of a sequence that have hooks");
   m.def("call_node", &call_node, "the engine's call_function: hooks, the node, validate_outputs",
         pybind11::arg("node"), pybind11::arg("grads"), pybind11::arg("keep_graph"));
+  m.def("tensor_pre_hooks", &tensor_pre_hooks,
+        "the engine's call_tensor_pre_hooks: a captured node's tensor pre-hooks and retains_grad hooks",
+        pybind11::arg("node"), pybind11::arg("grads"));
   m.def("call_leaves", &call_leaves, "call_node for a run of AccumulateGrad nodes, one grad each",
         pybind11::arg("nodes"), pybind11::arg("grads"), pybind11::arg("keep_graph"));
   m.def("saved_value", &saved_state::saved_value,

@@ -37,6 +37,7 @@ def _opaque(fn):
 _orig_autograd_backward = torch.autograd.backward
 _orig_tensor_backward = torch.Tensor.backward
 _orig_autograd_grad = torch.autograd.grad
+_orig_engine_run_backward = torch.autograd.graph._engine_run_backward
 
 
 def call_functional(node, grads) -> tuple:
@@ -74,6 +75,8 @@ def _tensors(x) -> tuple:
         return (x,)
     if isinstance(x, torch.autograd.graph.GradientEdge):
         return (x,)
+    if type(x) is dict:  # dict(model.named_parameters()), as torch.autograd.backward / grad take it
+        return tuple(x.values())
     return tuple(x)
 
 
@@ -102,7 +105,8 @@ def _make_grads(outputs, grad_outputs) -> tuple:
     return torch.autograd._make_grads(outputs, grad_outputs, is_grads_batched=False)
 
 
-def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False):
+def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False,
+         grads_made=False):
     """Common path of backward() and grad(); returns captured grads (grad mode) or None.
 
     Python's cyclic GC is paused for the call (and resumed while a region compiles): the walk
@@ -115,7 +119,7 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     memo = _saved.begin()  # each node's saved values are read once (saved-tensor hooks)
     try:
         return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
-                         create_graph)
+                         create_graph, grads_made)
     finally:
         _saved.end(memo)
         if pause:
@@ -123,14 +127,16 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
             gc.enable()
 
 
-def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False):
+def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False,
+              grads_made=False):
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     STATS.backward_calls += 1
     reason = decide.call_fallback((*outputs, *(inputs or ())))
     if reason is not None:
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, reason, create_graph)
-    grads = _make_grads(outputs, grad_outputs)
+    # (through torch.autograd.backward / grad, torch made and checked the root grads already)
+    grads = grad_outputs if grads_made else _make_grads(outputs, grad_outputs)
     root_edges = [_gradient_edge(t, "tensors", i) for i, t in enumerate(outputs)]
 
     targets_edges = None
@@ -204,8 +210,9 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
             return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, res, True)
         return res
 
-    if plan.n_breaks or not plan.ran or not native_hooks or saved_groups:
+    if plan.n_breaks or not plan.ran or not native_hooks or saved_groups or (plan.capture_only and plan.hooked):
         # (the first call of a plan too: a node found untraceable then runs live in this call;
+        # a grad() call whose captured inputs have hooks, which expect a graph task too;
         # and a call whose saved tensors have unpack hooks: they run as in eager, inside the graph
         # task, so torch.utils.checkpoint recomputes a block once per backward, not per unpack.
         # Without the native helper the hooks cannot be seen, and every call runs here.)
@@ -220,7 +227,8 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
             box.append(_execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
                                 allow_unused))
 
-        graph_task.run(job, keep_graph=bool(retain_graph))
+        graph_task.run(job, keep_graph=bool(retain_graph),
+                       will_execute=graph_task.execution_oracle(plan, nodes, targets))
         return box[0] if box else None
     return _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused)
 
@@ -267,7 +275,7 @@ def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, 
         leaves.accumulate_leaves(plan, nodes, buf, ctx)
         result = None
         if targets is not None:
-            captured = [None if s is None else buf[s] for s in plan.target_slots]
+            captured = leaves.captured_grads(plan, nodes, buf)
             if accumulate:
                 for t, tgt, g in zip(inputs, targets, captured):
                     if g is None or tgt is None or plan.infos[tgt[0]].is_acc:
@@ -293,15 +301,16 @@ def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, 
 def _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, reason, create_graph=False):
     record_eager_fallback(reason)
     log.debug("vjpgen: falling back to torch.autograd: %s", reason)
-    if accumulate:
-        _orig_autograd_backward(
-            outputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
+    with _bypass():
+        if accumulate:
+            _orig_autograd_backward(
+                outputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
+            )
+            return None
+        return _orig_autograd_grad(
+            outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
+            allow_unused=allow_unused,
         )
-        return None
-    return _orig_autograd_grad(
-        outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
-        allow_unused=allow_unused,
-    )
 
 
 # eager's warning for backward(create_graph=True) (engine.cpp, TORCH_WARN_ONCE): the cycle it warns
@@ -428,28 +437,11 @@ def _stack() -> list:
 
 
 @_opaque
-def _patched_autograd_backward(
-    tensors, grad_tensors=None, retain_graph=None, create_graph=False, grad_variables=None, inputs=None
-):
-    if grad_variables is not None and grad_tensors is None:
-        grad_tensors = grad_variables
-    st = _stack()
-    if not st:
-        return _orig_autograd_backward(
-            tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs
-        )
-    return _backward_body(
-        tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
-        backend=st[-1],
-    )
-
-
-@_opaque
 def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+    """``Tensor.backward`` inside a block: straight to vjpgen (skipping torch.autograd.backward's
+    argument handling, ~8 us); everything else arrives at :func:`_patched_engine_run_backward`."""
     st = _stack()
-    if not st or (
-        torch.overrides.has_torch_function_unary(self)
-    ):
+    if not st or _local_bypass() or torch.overrides.has_torch_function_unary(self) or _foreign(self, inputs):
         return _orig_tensor_backward(self, gradient, retain_graph, create_graph, inputs=inputs)
     return _backward_body(
         self, gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
@@ -457,9 +449,23 @@ def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_grap
     )
 
 
-def _foreign_grad(outputs, inputs) -> bool:
-    """A torch.autograd.grad call that is not vjpgen's to run: inside a torch.func transform, or
-    over tensor subclasses (fake tensors of a trace included)."""
+def _local_bypass() -> bool:
+    return getattr(_local, "bypass", 0) > 0
+
+
+@contextlib.contextmanager
+def _bypass():
+    """Within: this thread's engine calls go to torch's engine (vjpgen's own eager fallbacks)."""
+    _local.bypass = getattr(_local, "bypass", 0) + 1
+    try:
+        yield
+    finally:
+        _local.bypass -= 1
+
+
+def _foreign(outputs, inputs) -> bool:
+    """A backward that is not vjpgen's to run: inside a torch.func transform (``is_grads_batched``'s
+    vmap included), or over tensor subclasses (fake tensors of a trace included)."""
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return True
     for t in (*_tensors(outputs), *_tensors(inputs)):
@@ -471,31 +477,38 @@ def _foreign_grad(outputs, inputs) -> bool:
     return False
 
 
-@_opaque
-def _patched_autograd_grad(
-    outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
-    allow_unused=None, is_grads_batched=False, materialize_grads=False,
-):
+def _patched_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_graph, inputs=(),
+                                 allow_unreachable=True, accumulate_grad=True, **kwargs):
+    """``torch.autograd.graph._engine_run_backward``: where ``torch.autograd.backward``,
+    ``torch.autograd.grad`` (however it was imported: ``from torch.autograd import grad``) and
+    ``Tensor.backward`` all arrive, with their arguments parsed (generators, dicts, GradientEdges)
+    and the root grads made by torch. Inside a block, the call runs through vjpgen."""
     st = _stack()
-    if not st or is_grads_batched or materialize_grads or _foreign_grad(outputs, inputs):
-        # batched grads, materialize_grads, tensor subclasses and torch.func transforms (whose
-        # vjp calls torch.autograd.grad on its wrapped tensors) stay with torch.autograd
-        return _orig_autograd_grad(
-            outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
-            only_inputs=only_inputs, allow_unused=allow_unused, is_grads_batched=is_grads_batched,
-            materialize_grads=materialize_grads,
-        )
-    return _grad_body(
-        outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
-        allow_unused=allow_unused, backend=st[-1],
-    )
+    if not st or _local_bypass() or kwargs or _foreign(t_outputs, inputs):
+        return _orig_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_graph, inputs,
+                                         allow_unreachable, accumulate_grad, **kwargs)
+    return _engine_body(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable,
+                        accumulate_grad, st[-1])
+
+
+@_opaque
+def _engine_body(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unused, accumulate, backend):
+    outputs = tuple(t_outputs)
+    ins = tuple(inputs) if inputs else None
+    if accumulate and create_graph:
+        _warn_create_graph_cycle()
+    res = _run(outputs, tuple(grad_tensors), ins, bool(keep_graph), backend, bool(accumulate),
+               bool(allow_unused), bool(create_graph), grads_made=True)
+    return () if accumulate else res
 
 
 @contextlib.contextmanager
 def compiled_autograd(backend="inductor"):
     """Within the block, ``Tensor.backward``, ``torch.autograd.backward`` and
     ``torch.autograd.grad`` run through vjpgen (on this thread; other threads keep their own
-    setting)."""
+    setting). The call is intercepted where all of them reach torch's engine
+    (``torch.autograd.graph._engine_run_backward``), so names imported before the block
+    (``from torch.autograd import grad``) are covered too."""
     global _patch_users
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
@@ -504,9 +517,9 @@ def compiled_autograd(backend="inductor"):
     with _patch_lock:
         _patch_users += 1
         if _patch_users == 1:
-            torch.autograd.backward = _patched_autograd_backward
             torch.Tensor.backward = _patched_tensor_backward
-            torch.autograd.grad = _patched_autograd_grad
+            torch.autograd.graph._engine_run_backward = _patched_engine_run_backward
+            torch.autograd._engine_run_backward = _patched_engine_run_backward
     try:
         yield
     finally:
@@ -514,6 +527,6 @@ def compiled_autograd(backend="inductor"):
         with _patch_lock:
             _patch_users -= 1
             if _patch_users == 0:
-                torch.autograd.backward = _orig_autograd_backward
                 torch.Tensor.backward = _orig_tensor_backward
-                torch.autograd.grad = _orig_autograd_grad
+                torch.autograd.graph._engine_run_backward = _orig_engine_run_backward
+                torch.autograd._engine_run_backward = _orig_engine_run_backward

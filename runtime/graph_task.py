@@ -46,19 +46,84 @@ def _carrier():
     return c
 
 
-def run(job, keep_graph: bool) -> None:
+def run(job, keep_graph: bool, will_execute=None) -> None:
     """Call ``job()`` inside a new graph task of torch's engine with the given ``keep_graph``
     (the caller's ``retain_graph``; ``create_graph`` is False: vjpgen hands create_graph to
     torch.autograd). Exceptions raised by ``job`` propagate unchanged. Final callbacks queued while
     it runs are run by the engine after it returns. Costs ~10 us (one engine call on a 1-node
-    graph)."""
+    graph).
+
+    ``will_execute(node) -> bool``: what ``torch._C._will_engine_execute_node`` answers inside the
+    job for the user's nodes (the graph task's own graph is the carrier's, which holds none of
+    them): whether vjpgen's call executes or captures at that node, as the engine's exec_info
+    would say (``register_multi_grad_hook(mode="all")`` counts the hooks it waits for with it)."""
     outs, grads = _carrier()
     jobs = _local.jobs
-    jobs.append(job)
+    jobs.append(job if will_execute is None else _Answering(job, will_execute))
     try:
         _engine.run_backward(outs, grads, keep_graph, False, (), True, True)
     finally:
         jobs.pop()
+
+
+class _Answering:
+    """A job that answers ``_will_engine_execute_node`` for its graph task while it runs."""
+
+    __slots__ = ("job", "will_execute")
+
+    def __init__(self, job, will_execute):
+        self.job = job
+        self.will_execute = will_execute
+
+    def __call__(self):
+        answers = getattr(_local, "answers", None)
+        if answers is None:
+            answers = _local.answers = []
+        answers.append((torch._C._current_graph_task_id(), self.will_execute))
+        try:
+            self.job()
+        finally:
+            answers.pop()
+
+
+_orig_will_execute = torch._C._will_engine_execute_node
+
+
+def _will_engine_execute_node(node):
+    """``torch._C._will_engine_execute_node`` that knows vjpgen's calls (see :func:`run`); the
+    argument is checked by torch's own function first, so a leaf tensor raises eager's error."""
+    r = _orig_will_execute(node)
+    answers = getattr(_local, "answers", None)
+    if answers:
+        task, answer = answers[-1]
+        if task == torch._C._current_graph_task_id():  # not a nested backward a hook started
+            return answer(node)
+    return r
+
+
+def install() -> None:
+    """Put :func:`_will_engine_execute_node` in torch._C's place (idempotent; it defers to torch's
+    own function outside vjpgen's graph tasks)."""
+    torch._C._will_engine_execute_node = _will_engine_execute_node
+
+
+def execution_oracle(plan, nodes, targets):
+    """``will_execute(node)`` for :func:`run` from a plan: with targets (grad(), backward(inputs=))
+    the nodes the plan executes and those it captures at; without, every node reachable from the
+    roots (the engine's nodes_in_graph). The node -> index map is built on the first question."""
+    box = []
+
+    def will_execute(node) -> bool:
+        if not box:
+            from .walk import as_list
+            box.append({id(n): i for i, n in enumerate(as_list(nodes))})
+            box.append(set(plan.order) | {t[0] for t in (targets or ()) if t is not None})
+        i = box[0].get(id(node))
+        if i is None:
+            return False
+        return targets is None or i in box[1]
+
+    return will_execute
 
 
 def distributed_initialized() -> bool:

@@ -34,6 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import capture, decide, engine, fastpath, graph_task, native
 from . import saved as _saved
 from .cache import Compiled, RegionCache, find, make_guard
+from . import leaves
 from .leaves import _clone_obey_contract
 from .plan import Region
 from .release import release_nodes
@@ -557,7 +558,8 @@ def run(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accum
     reason = fallback_reason(plan, nodes)
     if reason is not None:
         return False, reason
-    if len(plan.steps) == 1 and not plan.live_acc_bytes and type(plan.steps[0]) is Region:
+    if (len(plan.steps) == 1 and not plan.live_acc_bytes and type(plan.steps[0]) is Region
+            and not (plan.capture_only and plan.hooked)):
         return True, _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
                               allow_unused)
     box = []  # live steps run inside a real graph task of torch's engine (see api._run_call)
@@ -566,7 +568,8 @@ def run(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accum
         box.append(_execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
                             allow_unused))
 
-    graph_task.run(job, keep_graph=bool(retain_graph))
+    graph_task.run(job, keep_graph=bool(retain_graph),
+                   will_execute=graph_task.execution_oracle(plan, nodes, targets))
     return True, (box[0] if box else None)
 
 
@@ -591,7 +594,7 @@ def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, 
         _sinks(plan, nodes, buf, plan.acc_final, ctx)
         if targets is None:
             return None
-        captured = [None if s is None else buf[s] for s in plan.target_slots]
+        captured = leaves.captured_grads(plan, nodes, buf)
         if accumulate:
             for t, tgt, g in zip(inputs, targets, captured):
                 if g is None or tgt is None or plan.infos[tgt[0]].is_acc:

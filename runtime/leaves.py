@@ -69,7 +69,8 @@ def _clone_obey_contract(grad, var):
     if grad.layout != torch.strided:  # a sparse grad (embedding's) is kept sparse, as AccumulateGrad does
         return grad.clone()
     if _non_overlapping_and_dense(var):
-        return torch.empty_strided(var.shape, var.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+        # (new_empty_strided: a tensor-subclass grad keeps its type, as clone_obey_contract does)
+        return grad.new_empty_strided(var.shape, var.stride()).copy_(grad)
     return grad.clone(memory_format=torch.contiguous_format)
 
 
@@ -142,3 +143,52 @@ def accumulate_leaf(acc_node, grad, ctx: "CallContext", node_hooks=None) -> None
         hook(var)
     if node_hooks is not None and node_hooks.post:
         hooks.run_node_post_hooks(node_hooks.post, [], [grad])
+
+
+def captured_grads(plan: Plan, nodes, buf) -> list:
+    """The grads a call captures at its targets (grad()'s inputs, backward(inputs=)), one per
+    target (None where none arrived). Where the call does not execute a target's node, the engine
+    runs that node's tensor pre-hooks and retains_grad hooks on the captured grad
+    (engine.cpp's evaluate_function), so a leaf's ``register_hook`` changes what grad() returns."""
+    captured = [None if s is None else buf[s] for s in plan.target_slots]
+    if plan.capture_only and plan.hooked:
+        _capture_hooks(plan, nodes, buf, captured)
+    return captured
+
+
+def _capture_hooks(plan: Plan, nodes, buf, captured: list) -> None:
+    by_node: dict = {}
+    for k, i, nr in plan.capture_only:
+        if plan.hooked.get(i):
+            by_node.setdefault(i, []).append((k, nr))
+    if not by_node:
+        return
+    nat = native.module()
+    for i, ks in by_node.items():
+        info = plan.infos[i]
+        node = nodes[i]
+        if nat is not None:  # every hook, C++ ones too, in the engine's order
+            grads = [None if s is None else buf[s] for s in info.in_slots]
+            for k, nr in ks:
+                grads[nr] = captured[k]
+            out = nat.tensor_pre_hooks(node, grads)
+            for k, nr in ks:
+                captured[k] = out[nr]
+            continue
+        if info.is_acc:  # the Python hooks of the leaf
+            for k, nr in ks:
+                g = captured[k]
+                for hook in hooks.leaf_hooks(node.variable)[0]:
+                    r = hook(g)
+                    if r is not None:
+                        g = r
+                captured[k] = g
+            continue
+        h = plan.hooked[i]
+        for k, nr in ks:
+            g = captured[k]
+            if h.tensor_pre and nr in h.tensor_pre:
+                g = hooks.run_tensor_pre_hooks(h.tensor_pre[nr], g)
+            if h.retain and nr in h.retain:
+                hooks.run_retain(h.retain[nr], g)
+            captured[k] = g

@@ -98,6 +98,10 @@ class Plan:
         self.root_slots: list = []
         self.acc_sinks: list = []  # (node index, slot)
         self.target_slots: list = []  # per target: slot or None (grad() / backward(inputs=))
+        # targets whose node the call does not execute (a leaf under grad(), a non-leaf input no
+        # other target lies beyond): the engine runs that node's tensor pre-hooks (a leaf's
+        # register_hook, retain_grad) on the grad it captures there (leaves.captured_grads)
+        self.capture_only: tuple = ()
         self.eager_reason = None  # whole call must go to torch.autograd
         self.hooked: dict = {}
         self.n_breaks = 0
@@ -252,6 +256,12 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
     else:
         for t in targets:
             p.target_slots.append(None if t is None else slot_of.get(t))
+        # (backward(inputs=[leaf]) accumulates the leaf, which runs its hooks: non-leaves only)
+        p.capture_only = tuple(
+            (k, t[0], t[1]) for k, t in enumerate(targets)
+            if t is not None and not needed[t[0]] and slot_of.get(t) is not None
+            and not (accumulate and infos[t[0]].is_acc)
+        )
         if accumulate:
             for t in targets:
                 if t is not None and infos[t[0]].is_acc and t in slot_of and t[0] not in live_acc:
