@@ -173,3 +173,33 @@ def module_for(node_cls) -> FunctionModule | None:
             mod = FunctionModule(fn_cls)
         _MODULES[node_cls] = mod
     return mod
+
+
+def _backward_of(node_cls):
+    fn_cls = getattr(node_cls, "_forward_cls", None)
+    return fn_cls, (getattr(fn_cls, "backward", None) if fn_cls is not None else None)
+
+
+def is_once_differentiable(node_cls) -> bool:
+    """Whether the Function's backward is wrapped by ``torch.autograd.function.once_differentiable``
+    (its grads, made in grad mode, raise when differentiated again: only the live node does that)."""
+    _, bw = _backward_of(node_cls)
+    inner = getattr(bw, "__wrapped__", None)
+    code = getattr(bw, "__code__", None)
+    return inner is not None and code is not None and code.co_filename.replace("\\", "/").endswith(
+        "torch/autograd/function.py")
+
+
+def side_effect_reason(node_cls) -> str | None:
+    """Why the Function's backward may have Python side effects (see :mod:`vjpgen.runtime.purity`),
+    or None: then a compiled graph traced from it does what calling it does. A Function declares
+    a backward pure with ``vjpgen_pure = True``, or brings its own module (``vjpgen_module``)."""
+    from .purity import side_effect_reason as reason
+
+    fn_cls, bw = _backward_of(node_cls)
+    if fn_cls is None or bw is None or getattr(fn_cls, "vjpgen_pure", False) or getattr(
+            fn_cls, "vjpgen_module", None) is not None:
+        return None
+    if is_once_differentiable(node_cls):
+        bw = bw.__wrapped__
+    return reason(bw)

@@ -20,7 +20,9 @@ rule                 a node runs live when
 hooks                it has hooks (tensor or node, Python or C++; a leaf's are run in the
                      engine's order by a live AccumulateGrad)
 custom Function      it is an ``autograd.Function`` whose backward cannot be traced (no
-                     backward of its own, a ctx that holds objects)
+                     backward of its own, a ctx that holds objects) or may have Python side
+                     effects (runtime/purity.py: a list appended to, a counter, logging, random
+                     numbers; ``vjpgen_pure = True`` on the Function says it has none)
 no module            no generated module exists for its class (or its release's verify pass
                      left it live)
 untranslated         its formula could not be translated
@@ -77,6 +79,12 @@ def _custom_function(v: NodeView):
         return None
     if info.module is None:
         return "custom autograd.Function without its own backward"
+    # a traced backward runs its Python once, at trace time, with fake tensors: only a backward
+    # provably free of side effects (appending to a list, counting, logging, random numbers,
+    # writing to ctx) is compiled; any other runs live, on every call, with the real grads
+    effects = custom_function.side_effect_reason(info.cls)
+    if effects is not None:
+        return f"custom Function backward may have Python side effects: {effects}"
     # a ctx that holds objects (FSDP2's param group, DDP's reducer) makes the backward live: known
     # now, so the plan places live steps and leaf accumulation around it. Not where the saved
     # tensors have hooks: reading them here, before the graph task and the node's turn, would run
@@ -260,6 +268,8 @@ def unsupported_grads(grads) -> bool:
 def call_fallback(tensors) -> str | None:
     """Before a call is planned: the reason the whole call goes to torch.autograd (a layout vjpgen
     does not capture at all, e.g. mkldnn), or None."""
+    if torch.is_anomaly_enabled():  # eager's NaN checks, node names and forward tracebacks
+        return "anomaly mode (torch.autograd.detect_anomaly / set_detect_anomaly)"
     for t in tensors:
         if isinstance(t, _Tensor) and t.layout != _STRIDED and t.layout not in sparse.SPARSE_LAYOUTS:
             return f"{t.layout} tensors are not captured"

@@ -31,7 +31,7 @@ import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import capture, decide, engine, fastpath, graph_task, native
+from . import capture, custom_function, decide, engine, fastpath, graph_task, native
 from . import saved as _saved
 from .cache import Compiled, RegionCache, find, make_guard
 from . import leaves
@@ -406,6 +406,11 @@ def fallback_reason(plan, nodes):
         return "create_graph with hooks on the graph and no native helper (which runs them as the engine does)"
     if decide.layout_leaf_reasons(plan, nodes):
         return "create_graph with a sparse leaf"
+    for i in plan.order:
+        info = plan.infos[i]
+        if info.pyfunc and custom_function.is_once_differentiable(info.cls):
+            # its grads must raise when differentiated again, as only the live node makes them
+            return f"create_graph through a once_differentiable backward ({info.name})"
     return None
 
 
