@@ -202,13 +202,11 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason,
                       create_graph)
     if create_graph:
-        nodes = walk.as_list(nodes)
-        done, res = higher_order.run(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
-                                     allow_unused)
-        if not done:
-            higher_order.record_fallback(1, res)
-            return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, res, True)
-        return res
+        nodes = walk.as_list(nodes)  # the differentiable regions read the node objects
+        reason = higher_order.fallback_reason(plan, nodes)
+        if reason is not None:
+            higher_order.record_fallback(1, reason)
+            return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, reason, True)
 
     if plan.n_breaks or not plan.ran or not native_hooks or saved_groups or (plan.capture_only and plan.hooked):
         # (the first call of a plan too: a node found untraceable then runs live in this call;
@@ -225,12 +223,13 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
 
         def job():
             box.append(_execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
-                                allow_unused))
+                                allow_unused, create_graph))
 
         graph_task.run(job, keep_graph=bool(retain_graph),
                        will_execute=graph_task.execution_oracle(plan, nodes, targets))
         return box[0] if box else None
-    return _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused)
+    return _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
+                    create_graph)
 
 
 def _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate, saved_groups, native_hooks):
@@ -263,16 +262,23 @@ def _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumula
     return plan
 
 
-def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused):
-    """Run a plan: the steps, then the sinks (leaf accumulation, captured grads)."""
-    ctx = engine.CallContext(backend, release=not retain_graph)
+def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
+             create_graph=False):
+    """Run a plan: the steps, then the sinks (leaf accumulation, captured grads). The one execute
+    path of every call; ``create_graph`` picks the region runner and leaf sink that keep the grads'
+    history (runtime/higher_order.py), and grad mode on, as the engine runs such a backward."""
+    if create_graph:
+        ctx = engine.CallContext(backend, not retain_graph, higher_order.run_region, higher_order.accumulate_leaves,
+                                 True)
+    else:
+        ctx = engine.CallContext(backend, not retain_graph, engine._run_region, leaves.accumulate_leaves)
     ctx.graphs = _explain_sink[-1] if _explain_sink else None
     grad_was = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python layers (~4 us a call)
+    torch._C._set_grad_enabled(create_graph)  # torch.no_grad() without its Python layers (~4 us a call)
     try:
         buf = engine.execute(plan, nodes, metas, grads, ctx)
         # sinks
-        leaves.accumulate_leaves(plan, nodes, buf, ctx)
+        ctx.sink(plan, nodes, buf, ctx)
         result = None
         if targets is not None:
             captured = leaves.captured_grads(plan, nodes, buf)
@@ -465,18 +471,31 @@ def _bypass():
 
 def _foreign(outputs, inputs) -> bool:
     """A backward that is not vjpgen's to run: inside a torch.func transform (``is_grads_batched``'s
-    vmap included), or over tensor subclasses (fake tensors of a trace included)."""
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    vmap included), or inside a trace (a dispatch mode such as make_fx's or a fake mode is active,
+    or the tensors are fake or functional ones). Other tensor subclasses are vjpgen's: the nodes
+    that touch them run live (decide.py)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None or _dispatch_mode() is not None:
         return True
     for t in (*_tensors(outputs), *_tensors(inputs)):
-        if isinstance(t, torch.Tensor) and (
-            type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter
-            or torch._C._functorch.is_functorch_wrapped_tensor(t)
+        if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and (
+            isinstance(t, _TRACE_TENSORS) or torch._C._functorch.is_functorch_wrapped_tensor(t)
         ):
             return True
     return False
 
 
+def _trace_tensor_types() -> tuple:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (FakeTensor, FunctionalTensor)
+
+
+_TRACE_TENSORS = _trace_tensor_types()
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode  # noqa: E402
+
+
+@_opaque
 def _patched_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_graph, inputs=(),
                                  allow_unreachable=True, accumulate_grad=True, **kwargs):
     """``torch.autograd.graph._engine_run_backward``: where ``torch.autograd.backward``,
@@ -491,7 +510,6 @@ def _patched_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_gra
                         accumulate_grad, st[-1])
 
 
-@_opaque
 def _engine_body(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unused, accumulate, backend):
     outputs = tuple(t_outputs)
     ins = tuple(inputs) if inputs else None

@@ -341,6 +341,18 @@ def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
         _run_live(i, plan, nodes, metas, buf, ctx)
 
 
+def interpret_until_error(region, plan, nodes, metas, buf, ctx) -> None:
+    """A region whose saved state an earlier backward freed: its nodes run live, as the engine would
+    run them, up to the one that raises eager's error (the nodes before it have run then, see
+    :func:`_sink_complete`). Not a graph break: the plan is unchanged."""
+    ran: list = []
+    ctx.partial = ran
+    for i in region.nodes:
+        _run_live(i, plan, nodes, metas, buf, ctx)
+        ran.append(i)
+    ctx.partial = ()
+
+
 def _mark_live(plan: Plan, reasons: dict) -> None:
     """Make the nodes of ``reasons`` (index -> why) graph breaks of the plan, for this call and later ones."""
     for i, reason in reasons.items():
@@ -376,7 +388,8 @@ def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallC
         S, T, I, tid, _, _ = _gather(region, plan, nodes, metas, buf)
     except _NodeTraceError as e:
         if isinstance(e.exc, RuntimeError) and _SECOND_BACKWARD in str(e.exc):
-            raise e.exc from None  # this graph was freed by an earlier backward: not a graph break
+            interpret_until_error(region, plan, nodes, metas, buf, ctx)  # not a graph break
+            return None, None, None
         _break_region(e, region, plan, nodes, metas, buf, ctx, "get_state")
         return None, None, None
     if decide.region_guard(T):  # the per-call guard: dense, plain tensors only (decide.py)
@@ -539,11 +552,14 @@ def _conform_outputs(region: Region, plan: Plan, compiled, outs: list, metas) ->
     compiled.conform = fixed or compiled.conform is True
 
 
-def _execute_steps(plan: Plan, nodes, metas, buf, ctx: CallContext, early: dict) -> None:
+def _execute_steps(plan: Plan, nodes, metas, buf, ctx: CallContext, early: dict, progress: list) -> None:
     """The steps of a plan with leaves accumulated early (see plan._place_sinks) or leaves run live:
-    a run of consecutive live AccumulateGrad steps (DDP's hooked parameters) is one native call."""
+    a run of consecutive live AccumulateGrad steps (DDP's hooked parameters) is one native call.
+    ``progress``: [steps done, last step whose early sinks ran] (read when a step raises)."""
+    sink = ctx.sink
+    run_region = ctx.run_region
     if -1 in early:
-        accumulate_leaves(plan, nodes, buf, ctx, early[-1])
+        sink(plan, nodes, buf, ctx, early[-1])
     steps = list(plan.steps)
     live_acc = plan.live_acc_bytes
     batch = native.module() is not None and len(live_acc) > 1
@@ -553,21 +569,28 @@ def _execute_steps(plan: Plan, nodes, metas, buf, ctx: CallContext, early: dict)
         step = steps[k]
         last = k
         if type(step) is Region:
-            _run_region(step, plan, nodes, metas, buf, ctx)
+            run_region(step, plan, nodes, metas, buf, ctx)
         elif batch and step.node in live_acc:
             while last + 1 < n and type(steps[last + 1]) is not Region and steps[last + 1].node in live_acc:
                 last += 1
             _run_live_leaves([s.node for s in steps[k:last + 1]], plan, nodes, buf, ctx)
         else:
             _run_live(step.node, plan, nodes, metas, buf, ctx)
+        progress[0] = last + 1
         for kk in range(k, last + 1):
             if kk in early:
-                accumulate_leaves(plan, nodes, buf, ctx, early[kk])
+                sink(plan, nodes, buf, ctx, early[kk])
+            progress[1] = kk
         k = last + 1
 
 
 def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
-    """Run the plan; returns the slot buffer."""
+    """Run the plan's steps with ``ctx``'s region runner and leaf sink (the one executor of every
+    call, first order and create_graph); returns the slot buffer (the caller runs the last sinks).
+
+    When a step raises, the leaves whose grads were complete by then are accumulated before the
+    error propagates (with ``ctx.sink``, for a call that accumulates), as the engine has run their
+    AccumulateGrad nodes by the time it meets the failing one."""
     buf = [None] * plan.nslots
     if plan.layout_leaves:
         reasons = decide.layout_leaf_reasons(plan, nodes)
@@ -584,12 +607,45 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
         buf[s] = g if buf[s] is None else buf[s] + g
     early = plan.acc_early  # a graph break found now re-partitions plan.steps and these
     ctx.acc_final = plan.acc_final
-    if early or plan.live_acc_bytes:
-        _execute_steps(plan, nodes, metas, buf, ctx, early)
-        return buf
-    for step in list(plan.steps):
-        if type(step) is Region:
-            _run_region(step, plan, nodes, metas, buf, ctx)
-        else:
-            _run_live(step.node, plan, nodes, metas, buf, ctx)
+    steps = plan.steps
+    progress = [0, -2]  # steps done, last step whose early sinks ran
+    try:
+        if early or plan.live_acc_bytes:
+            _execute_steps(plan, nodes, metas, buf, ctx, early, progress)
+            return buf
+        run_region = ctx.run_region
+        for step in list(steps):
+            if type(step) is Region:
+                run_region(step, plan, nodes, metas, buf, ctx)
+            else:
+                _run_live(step.node, plan, nodes, metas, buf, ctx)
+            progress[0] += 1
+    except BaseException:
+        if ctx.sink is not None and plan.acc_sinks:
+            _sink_complete(plan, nodes, buf, ctx, steps, early, progress)
+        raise
     return buf
+
+
+def _sink_complete(plan: Plan, nodes, buf, ctx: CallContext, steps, early: dict, progress: list) -> None:
+    """After a step raised: accumulate the pending leaves every producer of which had run (the
+    steps before the failing one, and the nodes of a failing region that ran before its error)."""
+    done = set(ctx.partial)
+    for st in steps[:progress[0]]:
+        if type(st) is Region:
+            done.update(st.nodes)
+        else:
+            done.add(st.node)
+    producers: dict = {}
+    for i in plan.order:
+        for (_, s, _, _) in plan.infos[i].out:
+            producers.setdefault(s, []).append(i)
+    pending = [sk for k, sinks in sorted(early.items()) if k > progress[1] for sk in sinks]
+    pending += list(ctx.acc_final if ctx.acc_final is not None else plan.acc_final)
+    ready = [(ai, s) for ai, s in pending
+             if buf[s] is not None and all(i in done for i in producers.get(s, ()))]
+    if ready:
+        try:
+            ctx.sink(plan, nodes, buf, ctx, ready)
+        except Exception as e:  # the step's error is the one to report
+            log.debug("vjpgen: accumulating the complete leaves after an error failed: %s", e)

@@ -553,74 +553,16 @@ def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
     return entry, T, I
 
 
-def run(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused):
-    """Execute ``plan`` with create_graph semantics. Returns ``(True, result)`` or ``(False, reason)``
-    when the whole call must go to torch.autograd (decided from the plan: nothing has run then).
-
-    Compiled regions run as differentiable graphs; live steps (graph breaks: nodes without a
-    kernel, hooks, custom Functions that cannot be traced) and the nodes of a region that cannot
-    be traced run as the engine runs them, in grad mode, so their grads carry eager's history."""
-    reason = fallback_reason(plan, nodes)
-    if reason is not None:
-        return False, reason
-    if (len(plan.steps) == 1 and not plan.live_acc_bytes and type(plan.steps[0]) is Region
-            and not (plan.capture_only and plan.hooked)):
-        return True, _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
-                              allow_unused)
-    box = []  # live steps run inside a real graph task of torch's engine (see api._run_call)
-
-    def job():
-        box.append(_execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
-                            allow_unused))
-
-    graph_task.run(job, keep_graph=bool(retain_graph),
-                   will_execute=graph_task.execution_oracle(plan, nodes, targets))
-    return True, (box[0] if box else None)
-
-
-def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused):
-    ctx = engine.CallContext(backend, release=not retain_graph)
-    with torch.enable_grad():  # the engine runs a create_graph backward in grad mode
-        buf = [None] * plan.nslots
-        for (s, g), (ri, nr) in zip(zip(plan.root_slots, grads), plan.root_edges):
-            m = metas[ri][nr]
-            g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
-            buf[s] = g if buf[s] is None else buf[s] + g
-        early = plan.acc_early
-        if -1 in early:
-            _sinks(plan, nodes, buf, early[-1], ctx)
-        for k, step in enumerate(list(plan.steps)):  # a graph break found now re-partitions plan.steps
-            if type(step) is Region:
-                _step_region(step, plan, nodes, metas, buf, ctx, backend)
-            else:
-                engine._run_live(step.node, plan, nodes, metas, buf, ctx)
-            if k in early:
-                _sinks(plan, nodes, buf, early[k], ctx)
-        _sinks(plan, nodes, buf, plan.acc_final, ctx)
-        if targets is None:
-            return None
-        captured = leaves.captured_grads(plan, nodes, buf)
-        if accumulate:
-            for t, tgt, g in zip(inputs, targets, captured):
-                if g is None or tgt is None or plan.infos[tgt[0]].is_acc:
-                    continue
-                t.grad = g if t.grad is None else t.grad + g
-            return None
-        for g in captured:
-            if g is None and not allow_unused:
-                raise RuntimeError(
-                    "One of the differentiated Tensors appears to not have been used in "
-                    "the graph. Set allow_unused=True if this is the desired behavior."
-                )
-        return tuple(captured)
-
-
-def _step_region(region, plan, nodes, metas, buf, ctx, backend) -> None:
+def run_region(region, plan, nodes, metas, buf, ctx) -> None:
+    """The create_graph region runner of the executor (engine.execute): the region's compiled graph
+    called as a differentiable function (its cache keyed also by which inputs require grad)."""
     try:
-        entry, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, backend)
+        entry, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, ctx.backend)
     except engine._NodeTraceError as e:
         if isinstance(e.exc, RuntimeError) and engine._SECOND_BACKWARD in str(e.exc):
-            raise e.exc from None  # this graph was freed by an earlier backward: eager raises too
+            # this graph was freed by an earlier backward: eager raises too, at its node
+            engine.interpret_until_error(region, plan, nodes, metas, buf, ctx)
+            return
         # the node becomes a graph break (for later calls too); this call runs the region's nodes
         # as the engine would, in grad mode
         engine._break_region(e, region, plan, nodes, metas, buf, ctx, getattr(e, "when", "tracing"))
@@ -631,10 +573,14 @@ def _step_region(region, plan, nodes, metas, buf, ctx, backend) -> None:
     if ctx.release:
         release_nodes(nodes, region.nodes, plan.infos)
     _saved.forget(nodes[i] for i in region.nodes)
-    _run_region(region, entry, T, I, buf, metas, plan)
+    _call_region(region, entry, T, I, buf, metas, plan)
 
 
-def _sinks(plan, nodes, buf, sinks, ctx) -> None:
+def accumulate_leaves(plan, nodes, buf, ctx, sinks=None) -> None:
+    """The create_graph leaf sink of the executor: AccumulateGrad in grad mode (the grads carry
+    their history), hooked leaves through the engine's own AccumulateGrad call."""
+    if sinks is None:
+        sinks = ctx.acc_final if ctx.acc_final is not None else plan.acc_final
     nat = native.module()
     for ai, s in sinks:
         g = buf[s]
@@ -644,7 +590,7 @@ def _sinks(plan, nodes, buf, sinks, ctx) -> None:
             _accumulate(nodes[ai].variable, g)
 
 
-def _run_region(region, entry, T, I, buf, metas, plan) -> None:
+def _call_region(region, entry, T, I, buf, metas, plan) -> None:
     dg = entry.dg
     ints = [I[j] for j in entry.dyn_ints]
     outs = dg.call(list(T), ints, I)

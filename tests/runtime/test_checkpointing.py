@@ -164,7 +164,7 @@ def test_graph_task_only_for_calls_with_saved_tensor_hooks(monkeypatch):
     entered = []
     real = graph_task.run
 
-    def run(job, keep_graph):
+    def run(job, keep_graph, will_execute=None):
         entered.append(1)
         return real(job, keep_graph)
 
