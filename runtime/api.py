@@ -226,7 +226,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
                                 allow_unused, create_graph))
 
         graph_task.run(job, keep_graph=bool(retain_graph),
-                       will_execute=graph_task.execution_oracle(plan, nodes, targets))
+                       will_execute=graph_task.execution_oracle(plan, nodes, targets, accumulate))
         return box[0] if box else None
     return _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
                     create_graph)

@@ -107,29 +107,30 @@ def install() -> None:
     torch._C._will_engine_execute_node = _will_engine_execute_node
 
 
-def execution_oracle(plan, nodes, targets):
-    """``will_execute(node)`` for :func:`run` from a plan: with targets (grad(), backward(inputs=))
-    the nodes the plan executes and those it captures at; without, every node reachable from the
-    roots (the engine's nodes_in_graph). The node -> index map is built on the first question."""
+def execution_oracle(plan, nodes, targets, accumulate: bool):
+    """``will_execute(node)`` for :func:`run` from a plan, as the engine answers from its graph task:
+    without targets, every node reachable from the roots (nodes_in_graph); with targets
+    (grad(), backward(inputs=)) the nodes the plan executes and those it captures at, and for
+    grad() eager's error when that node is a leaf's (a node without next edges). The node -> index
+    map is built on the first question."""
     box = []
 
     def will_execute(node) -> bool:
         if not box:
             from .walk import as_list
             box.append({id(n): i for i, n in enumerate(as_list(nodes))})
-            box.append(set(plan.order) | {t[0] for t in (targets or ()) if t is not None})
+            box.append(set(plan.order))
+            box.append({t[0] for t in (targets or ()) if t is not None})
         i = box[0].get(id(node))
         if i is None:
             return False
-        return targets is None or i in box[1]
+        if targets is None:
+            return True
+        if i in box[2] and not accumulate and all(f is None for f, _ in node.next_functions):
+            raise RuntimeError(
+                "A leaf node was passed to _will_engine_execute_node but we are currently running "
+                "autograd.grad(). This is currently not supported."
+            )
+        return i in box[1] or i in box[2]
 
     return will_execute
-
-
-def distributed_initialized() -> bool:
-    """Whether a torch.distributed process group exists (its hooks may be C++ ones)."""
-    dist = getattr(torch, "distributed", None)
-    try:
-        return bool(dist is not None and dist.is_available() and dist.is_initialized())
-    except Exception:  # pragma: no cover - a broken distributed build
-        return False
