@@ -2179,11 +2179,8 @@ void without_gil(F&& fn) {
 // Calls `node` with `grads` (tensors or None) as the engine would: see engine_call. Returns one
 // entry per next edge (None for an undefined grad). The GIL is released meanwhile, as the engine
 // runs nodes without it (a C++ hook may wait on a thread that needs it).
-pybind11::list call_node(pybind11::handle node, pybind11::handle grads, bool keep_graph) {
-  auto fn = node_of(node.ptr());
-  if (!fn) {
-    throw pybind11::type_error("vjpgen native.call_node: expected an autograd node");
-  }
+// `grads` (a sequence of tensors or None) as the engine's variable_list; `who` names the caller
+torch::autograd::variable_list grads_of(pybind11::handle grads, const char* who) {
   torch::autograd::variable_list inputs;
   for (auto g : grads) {
     if (g.is_none()) {
@@ -2191,11 +2188,14 @@ pybind11::list call_node(pybind11::handle node, pybind11::handle grads, bool kee
     } else if (THPVariable_Check(g.ptr())) {
       inputs.push_back(THPVariable_Unpack(g.ptr()));
     } else {
-      throw pybind11::type_error("vjpgen native.call_node: grads must be tensors or None");
+      throw pybind11::type_error(std::string("vjpgen native.") + who + ": grads must be tensors or None");
     }
   }
-  torch::autograd::variable_list outputs;
-  without_gil([&] { outputs = engine_call(*fn, std::move(inputs), keep_graph); });
+  return inputs;
+}
+
+// a variable_list as a Python list (None for an undefined tensor)
+pybind11::list list_of(const torch::autograd::variable_list& outputs) {
   pybind11::list out;
   for (auto& t : outputs) {
     if (t.defined()) {
@@ -2207,6 +2207,17 @@ pybind11::list call_node(pybind11::handle node, pybind11::handle grads, bool kee
   return out;
 }
 
+pybind11::list call_node(pybind11::handle node, pybind11::handle grads, bool keep_graph) {
+  auto fn = node_of(node.ptr());
+  if (!fn) {
+    throw pybind11::type_error("vjpgen native.call_node: expected an autograd node");
+  }
+  torch::autograd::variable_list inputs = grads_of(grads, "call_node");
+  torch::autograd::variable_list outputs;
+  without_gil([&] { outputs = engine_call(*fn, std::move(inputs), keep_graph); });
+  return list_of(outputs);
+}
+
 // The tensor pre-hooks and retains_grad hooks of `node` on `grads` (see engine_tensor_pre_hooks);
 // one entry per input of the node. The GIL is released meanwhile, as in call_node.
 pybind11::list tensor_pre_hooks(pybind11::handle node, pybind11::handle grads) {
@@ -2214,27 +2225,10 @@ pybind11::list tensor_pre_hooks(pybind11::handle node, pybind11::handle grads) {
   if (!fn) {
     throw pybind11::type_error("vjpgen native.tensor_pre_hooks: expected an autograd node");
   }
-  torch::autograd::variable_list inputs;
-  for (auto g : grads) {
-    if (g.is_none()) {
-      inputs.emplace_back();
-    } else if (THPVariable_Check(g.ptr())) {
-      inputs.push_back(THPVariable_Unpack(g.ptr()));
-    } else {
-      throw pybind11::type_error("vjpgen native.tensor_pre_hooks: grads must be tensors or None");
-    }
-  }
+  torch::autograd::variable_list inputs = grads_of(grads, "tensor_pre_hooks");
   torch::autograd::variable_list outputs;
   without_gil([&] { outputs = engine_tensor_pre_hooks(*fn, std::move(inputs)); });
-  pybind11::list out;
-  for (auto& t : outputs) {
-    if (t.defined()) {
-      out.append(pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(t)));
-    } else {
-      out.append(pybind11::none());
-    }
-  }
-  return out;
+  return list_of(outputs);
 }
 
 // call_node for a run of AccumulateGrad nodes (one grad each, nothing returned): the live leaf

@@ -251,43 +251,47 @@ def f_saved_tensor_hooks(call):
     return r, len(packs), len(unpacks)
 
 
-class _Recording(torch.autograd.Function):
-    log: list = []
+def _function(name, forward, backward):
+    """A custom autograd.Function from its forward and backward (module-level functions: the
+    purity check reads their source)."""
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
 
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        _Recording.log.append((type(g).__name__, g.detach().clone()))
-        return 2 * x * g
+def _save_square(ctx, x):
+    ctx.save_for_backward(x)
+    return x * x
+
+
+_RECORDED: list = []
+
+
+def _recording_backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    _RECORDED.append((type(g).__name__, g.detach().clone()))  # a side effect eager runs every call
+    return 2 * x * g
+
+
+_Recording = _function("_Recording", _save_square, _recording_backward)
 
 
 def f_custom_function_side_effects(call):
-    _Recording.log = []
+    _RECORDED.clear()
     x = torch.tensor([1.0, 3.0], requires_grad=True)
     rs = []
     for _ in range(3):
         if x.grad is not None:
             x.grad = None
         rs.append(call(_Recording.apply(x).sin().sum(), [x]))
-    return rs, list(_Recording.log)
+    return rs, list(_RECORDED)
 
 
-class _Once(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x**2
+@once_differentiable
+def _once_backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    return g * 2 * x
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * 2 * x
+
+_Once = _function("_Once", _save_square, _once_backward)
 
 
 def f_once_differentiable(call):
@@ -503,21 +507,22 @@ def test_will_engine_execute_node_raises_eagers_error_for_a_leaf():
     assert errs == want and len(want) == 2
 
 
+def _save_sin(ctx, x):
+    ctx.save_for_backward(x)
+    return x.sin()
+
+
+def _pure_backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    gi = g.clone()
+    gi[x < 0] = 0  # in place on a fresh local: no effect outside the call
+    return gi * x.cos()
+
+
 def test_side_effect_free_custom_function_still_compiles():
     """The purity check keeps a pure backward compiled (no graph break)."""
 
-    class Pure(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x.sin()
-
-        @staticmethod
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            gi = g.clone()
-            gi[x < 0] = 0
-            return gi * x.cos()
+    Pure = _function("Pure", _save_sin, _pure_backward)
 
     x = torch.randn(5, requires_grad=True)
     want = torch.autograd.grad(Pure.apply(x).sum(), x)[0]
