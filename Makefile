@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the torch release generated/ is for (pyproject.toml admits every supported release)
 DEV_TORCH := 2.13.0
 
-.PHONY: install generate check-generated test test-torch tt-venv port-start demo demo-ddp bench bench-deps bench-generate gpu-check gpu-wheels coverage clean
+.PHONY: install generate check-generated test test-autograd test-torch tt-venv port-start demo demo-ddp bench bench-deps bench-generate gpu-check gpu-wheels coverage clean
 
 install: $(STAMP)
 
@@ -28,6 +28,15 @@ check-generated: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
+# make test-autograd TEST_AUTOGRAD=/path/to/test_autograd.py: PyTorch's own autograd tests (a local
+# copy of the public file for the installed torch's release, not committed) run in eager and with
+# backward routed through vjpgen; the report (tests/autograd_suite.py) goes to coverage/autograd_suite.md
+TEST_AUTOGRAD ?=
+SUITE_ARGS ?=
+test-autograd: $(STAMP)
+	@test -n "$(TEST_AUTOGRAD)" || { echo "usage: make test-autograd TEST_AUTOGRAD=/path/to/test_autograd.py"; exit 2; }
+	$(PY) -m tests.autograd_suite $(TEST_AUTOGRAD) --out coverage/autograd_suite.md $(SUITE_ARGS)
 
 # make test-torch TORCH=2.15.0 (any release; a ported one must pass): a throwaway venv under /tmp
 # with that torch from the package index (a CUDA build on Linux, ~5 GB), vjpgen installed into it

@@ -445,14 +445,64 @@ def _stack() -> list:
 @_opaque
 def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
     """``Tensor.backward`` inside a block: straight to vjpgen (skipping torch.autograd.backward's
-    argument handling, ~8 us); everything else arrives at :func:`_patched_engine_run_backward`."""
+    argument handling, ~8 us); everything else arrives at :func:`_patched_engine_run_backward`.
+    These shortcuts (and the two below) end in the same ``_run`` as the engine hook; the semantics
+    matrix runs both ways (``torch.autograd.grad`` and a ``grad`` imported before the block)."""
     st = _stack()
-    if not st or _local_bypass() or torch.overrides.has_torch_function_unary(self) or _foreign(self, inputs):
+    if not st or getattr(_local, "bypass", 0) or torch.overrides.has_torch_function_unary(self) or (
+        _foreign(self, inputs) if type(self) is not torch.Tensor or inputs is not None
+        else torch._C._functorch.peek_interpreter_stack() is not None or _dispatch_mode() is not None
+    ):
         return _orig_tensor_backward(self, gradient, retain_graph, create_graph, inputs=inputs)
     return _backward_body(
         self, gradient, retain_graph=retain_graph, create_graph=create_graph, inputs=inputs,
         backend=st[-1],
     )
+
+
+_SEQ = (tuple, list)
+
+
+def _plain(x) -> bool:
+    """``x`` is None, a tensor or a tuple / list: what the shortcuts below parse themselves (a
+    generator, a dict or a GradientEdge goes the general way, through torch's own parsing)."""
+    return x is None or type(x) is torch.Tensor or type(x) is torch.nn.Parameter or type(x) in _SEQ
+
+
+@_opaque
+def _patched_autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
+                               grad_variables=None, inputs=None):
+    """``torch.autograd.backward`` inside a block: the plain spellings straight to vjpgen (as
+    ``Tensor.backward``); anything else through torch's function, which reaches the engine hook."""
+    st = _stack()
+    if (not st or _local_bypass() or grad_variables is not None or not (_plain(tensors) and _plain(inputs)
+            and _plain(grad_tensors)) or _has_torch_function(tensors, inputs) or _foreign(tensors, inputs)):
+        return _orig_autograd_backward(tensors, grad_tensors, retain_graph, create_graph, grad_variables,
+                                       inputs=inputs)
+    return _backward_body(tensors, grad_tensors, retain_graph=retain_graph, create_graph=create_graph,
+                          inputs=inputs, backend=st[-1])
+
+
+@_opaque
+def _patched_autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+                           only_inputs=True, allow_unused=None, is_grads_batched=False, materialize_grads=False):
+    """``torch.autograd.grad`` inside a block: the plain spellings straight to vjpgen; generators,
+    dicts, batched or materialized grads through torch's function (then the engine hook)."""
+    st = _stack()
+    if (not st or _local_bypass() or is_grads_batched or materialize_grads or only_inputs is not True
+            or not (_plain(outputs) and _plain(inputs) and _plain(grad_outputs)) or inputs is None
+            or (type(inputs) in _SEQ and not inputs)
+            or _has_torch_function(outputs, inputs) or _foreign(outputs, inputs)):
+        return _orig_autograd_grad(outputs, inputs, grad_outputs, retain_graph, create_graph, only_inputs,
+                                   allow_unused, is_grads_batched=is_grads_batched,
+                                   materialize_grads=materialize_grads)
+    return _grad_body(outputs, inputs, grad_outputs, retain_graph=retain_graph, create_graph=create_graph,
+                      allow_unused=allow_unused, backend=st[-1])
+
+
+def _has_torch_function(outputs, inputs) -> bool:
+    ts = [t for g in (outputs, inputs) if g is not None for t in ((g,) if isinstance(g, torch.Tensor) else g)]
+    return torch.overrides.has_torch_function(ts)
 
 
 def _local_bypass() -> bool:
@@ -476,11 +526,17 @@ def _foreign(outputs, inputs) -> bool:
     that touch them run live (decide.py)."""
     if torch._C._functorch.peek_interpreter_stack() is not None or _dispatch_mode() is not None:
         return True
-    for t in (*_tensors(outputs), *_tensors(inputs)):
-        if isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and (
-            isinstance(t, _TRACE_TENSORS) or torch._C._functorch.is_functorch_wrapped_tensor(t)
-        ):
-            return True
+    for group in (outputs, inputs):
+        if group is None:
+            continue
+        if type(group) is not tuple and type(group) is not list:
+            group = _tensors(group)
+        for t in group:
+            tt = type(t)
+            if tt is torch.Tensor or tt is torch.nn.Parameter or not isinstance(t, torch.Tensor):
+                continue
+            if isinstance(t, _TRACE_TENSORS) or torch._C._functorch.is_functorch_wrapped_tensor(t):
+                return True
     return False
 
 
@@ -536,6 +592,8 @@ def compiled_autograd(backend="inductor"):
         _patch_users += 1
         if _patch_users == 1:
             torch.Tensor.backward = _patched_tensor_backward
+            torch.autograd.backward = _patched_autograd_backward
+            torch.autograd.grad = _patched_autograd_grad
             torch.autograd.graph._engine_run_backward = _patched_engine_run_backward
             torch.autograd._engine_run_backward = _patched_engine_run_backward
     try:
@@ -546,5 +604,7 @@ def compiled_autograd(backend="inductor"):
             _patch_users -= 1
             if _patch_users == 0:
                 torch.Tensor.backward = _orig_tensor_backward
+                torch.autograd.backward = _orig_autograd_backward
+                torch.autograd.grad = _orig_autograd_grad
                 torch.autograd.graph._engine_run_backward = _orig_engine_run_backward
                 torch.autograd._engine_run_backward = _orig_engine_run_backward

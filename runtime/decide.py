@@ -276,6 +276,17 @@ def call_fallback(tensors) -> str | None:
     return None
 
 
+def create_graph_reason(plan) -> str | None:
+    """Before a create_graph call runs: the reason it goes to torch.autograd as a whole, or None.
+    A ``once_differentiable`` backward's grads must raise when differentiated again, which only
+    the live node arranges (and eager runs it in grad mode, which a live step here does not)."""
+    for i in plan.order:
+        info = plan.infos[i]
+        if info.pyfunc and custom_function.is_once_differentiable(info.cls):
+            return f"create_graph through a once_differentiable backward ({info.name})"
+    return None
+
+
 def leaf_layouts(plan) -> tuple:
     """The traced nodes :func:`layout_leaf_reasons` looks at on every call."""
     return sparse.layout_leaf_nodes(plan)

@@ -29,7 +29,6 @@ from . import capture, decide, fastpath, native
 from . import saved as _saved
 from .cache import Compiled, find, make_guard
 from .call_context import CallContext, OnesRoot
-from .leaves import accumulate_leaves
 from .live import _run_live, _run_live_leaves
 from .plan import Plan, Region, _partition
 from .release import _SECOND_BACKWARD, release_nodes

@@ -1,4 +1,6 @@
-"""``create_graph=True`` compiled, to any order.
+"""``create_graph=True`` compiled, to any order: the region runner and leaf sink that the one
+executor (:func:`vjpgen.runtime.engine.execute`, called by ``api._execute``) uses for a
+create_graph call; nothing here walks, plans or executes a graph.
 
 A create_graph backward runs the plan's compiled regions as differentiable functions: each region
 is traced from the generated kernels (``apply_functional``) into one aten graph, compiled, and
@@ -31,12 +33,10 @@ import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import capture, custom_function, decide, engine, fastpath, graph_task, native
+from . import capture, decide, engine, fastpath, native
 from . import saved as _saved
 from .cache import Compiled, RegionCache, find, make_guard
-from . import leaves
 from .leaves import _clone_obey_contract
-from .plan import Region
 from .release import release_nodes
 from .stats import STATS
 
@@ -406,12 +406,7 @@ def fallback_reason(plan, nodes):
         return "create_graph with hooks on the graph and no native helper (which runs them as the engine does)"
     if decide.layout_leaf_reasons(plan, nodes):
         return "create_graph with a sparse leaf"
-    for i in plan.order:
-        info = plan.infos[i]
-        if info.pyfunc and custom_function.is_once_differentiable(info.cls):
-            # its grads must raise when differentiated again, as only the live node makes them
-            return f"create_graph through a once_differentiable backward ({info.name})"
-    return None
+    return decide.create_graph_reason(plan)
 
 
 def _region_order(region, plan, nodes) -> int:

@@ -178,6 +178,8 @@ def _capture_hooks(plan: Plan, nodes, buf, captured: list) -> None:
         if info.is_acc:  # the Python hooks of the leaf
             for k, nr in ks:
                 g = captured[k]
+                if g is None:  # the engine calls no Python hook on an undefined grad
+                    continue
                 for hook in hooks.leaf_hooks(node.variable)[0]:
                     r = hook(g)
                     if r is not None:
@@ -187,6 +189,8 @@ def _capture_hooks(plan: Plan, nodes, buf, captured: list) -> None:
         h = plan.hooked[i]
         for k, nr in ks:
             g = captured[k]
+            if g is None:
+                continue
             if h.tensor_pre and nr in h.tensor_pre:
                 g = hooks.run_tensor_pre_hooks(h.tensor_pre[nr], g)
             if h.retain and nr in h.retain:

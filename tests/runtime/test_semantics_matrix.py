@@ -554,3 +554,25 @@ def test_purity_reasons(src, reason):
     exec(code, ns)
     r = side_effect_reason(ns["backward"])
     assert r is not None and reason in r, r
+
+
+def test_autograd_suite_runner_routes_backward_through_vjpgen(tmp_path):
+    """`make test-autograd`'s runner, on a stand-in for PyTorch's test_autograd.py: a test that
+    passes either way is counted, one that holds only in eager is listed with its error."""
+    from tests import autograd_suite
+
+    f = tmp_path / "test_standin.py"
+    f.write_text(
+        "import torch\n"
+        "def test_grad():\n"
+        "    x = torch.tensor([2.0], requires_grad=True)\n"
+        "    (x * x).sum().backward()\n"
+        "    assert x.grad.item() == 4.0\n"
+        "def test_engine_is_torchs():\n"
+        "    assert torch.autograd.graph._engine_run_backward.__module__ == 'torch.autograd.graph'\n"
+    )
+    eager = autograd_suite._run(str(f), None, [], 60)
+    routed = autograd_suite._run(str(f), "eager", [], 60)
+    text = autograd_suite.report(eager, routed, "eager")
+    assert "2 tests pass in eager; 1 of them pass" in text, text
+    assert "test_engine_is_torchs" in text and "test_grad" not in text.split("do not:")[1], text
