@@ -134,3 +134,12 @@ def execution_oracle(plan, nodes, targets, accumulate: bool):
         return i in box[1] or i in box[2]
 
     return will_execute
+
+
+def distributed_initialized() -> bool:
+    """Whether a torch.distributed process group exists (its hooks may be C++ ones)."""
+    dist = getattr(torch, "distributed", None)
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:  # pragma: no cover - a broken distributed build
+        return False
