@@ -13,6 +13,7 @@ SLOW_FIRST = (
     "tests/runtime/test_runtime_conformance.py",
     "tests/test_bench_smoke.py",
     "tests/test_conformance_modes.py",
+    "tests/runtime/test_semantics_matrix.py",  # ~250 small cases and a few Inductor ones
     "tests/runtime/test_capture_direct.py",
     "tests/codegen/test_generate.py",
 )
