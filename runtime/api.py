@@ -7,6 +7,7 @@ import gc
 import logging
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -22,6 +23,7 @@ log = logging.getLogger("vjpgen")
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 _PLANS: dict = {}
+_RAN = weakref.WeakSet()  # the plans a call has executed (a plan's first call runs in a graph task)
 
 
 def _opaque(fn):
@@ -196,8 +198,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
                 plan = _PLANS[skey] = _new_plan(
                     root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate, saved_groups, native_hooks
                 )
-    else:
-        plan.hooked = hooked or {}
+    hooked = hooked or {}
     if plan.eager_reason is not None:
         return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, plan.eager_reason,
                       create_graph)
@@ -208,13 +209,14 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
             higher_order.record_fallback(1, reason)
             return _eager(outputs, grad_outputs, inputs, retain_graph, accumulate, allow_unused, reason, True)
 
-    if plan.n_breaks or not plan.ran or not native_hooks or saved_groups or (plan.capture_only and plan.hooked):
+    call = (plan, skey, hooked)
+    if plan.n_breaks or plan not in _RAN or not native_hooks or saved_groups or (plan.capture_only and hooked):
         # (the first call of a plan too: a node found untraceable then runs live in this call;
         # a grad() call whose captured inputs have hooks, which expect a graph task too;
         # and a call whose saved tensors have unpack hooks: they run as in eager, inside the graph
         # task, so torch.utils.checkpoint recomputes a block once per backward, not per unpack.
         # Without the native helper the hooks cannot be seen, and every call runs here.)
-        plan.ran = True
+        _RAN.add(plan)
         # live steps (hooks, custom Functions, nodes without a kernel) run inside a real graph
         # task of torch's engine, so what they expect of it holds: queue_callback (DDP, FSDP2),
         # the graph task's id and keep_graph (AOTAutograd's compiled backward); the compiled
@@ -222,13 +224,13 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         box = []
 
         def job():
-            box.append(_execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
+            box.append(_execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
                                 allow_unused, create_graph))
 
         graph_task.run(job, keep_graph=bool(retain_graph),
                        will_execute=graph_task.execution_oracle(plan, nodes, targets, accumulate))
         return box[0] if box else None
-    return _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
+    return _execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
                     create_graph)
 
 
@@ -262,17 +264,21 @@ def _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumula
     return plan
 
 
-def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
+def _execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
              create_graph=False):
     """Run a plan: the steps, then the sinks (leaf accumulation, captured grads). The one execute
     path of every call; ``create_graph`` picks the region runner and leaf sink that keep the grads'
-    history (runtime/higher_order.py), and grad mode on, as the engine runs such a backward."""
+    history (runtime/higher_order.py), and grad mode on, as the engine runs such a backward.
+    ``call``: (plan, its key, the hooks this call's walk found). Graph breaks the call finds are
+    stored as a new plan under the key for later calls (the plan itself never changes)."""
+    plan, skey, hooked = call
     if create_graph:
         ctx = engine.CallContext(backend, not retain_graph, higher_order.run_region, higher_order.accumulate_leaves,
                                  True)
     else:
         ctx = engine.CallContext(backend, not retain_graph, engine._run_region, leaves.accumulate_leaves)
     ctx.graphs = _explain_sink[-1] if _explain_sink else None
+    ctx.hooked = hooked
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(create_graph)  # torch.no_grad() without its Python layers (~4 us a call)
     try:
@@ -281,7 +287,7 @@ def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, 
         ctx.sink(plan, nodes, buf, ctx)
         result = None
         if targets is not None:
-            captured = leaves.captured_grads(plan, nodes, buf)
+            captured = leaves.captured_grads(plan, nodes, buf, ctx)
             if accumulate:
                 for t, tgt, g in zip(inputs, targets, captured):
                     if g is None or tgt is None or plan.infos[tgt[0]].is_acc:
@@ -301,6 +307,10 @@ def _execute(plan, nodes, metas, grads, inputs, targets, retain_graph, backend, 
                 result = tuple(captured)
     finally:
         torch._C._set_grad_enabled(grad_was)
+        if ctx.breaks:
+            with capture.LOCK:
+                if _PLANS.get(skey) is plan:
+                    _PLANS[skey] = plan_mod.with_live(plan, ctx.breaks)
     return result
 
 

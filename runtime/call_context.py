@@ -7,7 +7,7 @@ class CallContext:
     """Per-call state shared with the sinks."""
 
     __slots__ = ("protected", "graphs", "backend", "release", "acc_final", "run_region", "sink", "create_graph",
-                 "partial")
+                 "partial", "hooked", "breaks")
 
     def __init__(self, backend, release: bool = False, run_region=None, sink=None, create_graph: bool = False):
         self.protected = set()
@@ -22,6 +22,11 @@ class CallContext:
         self.sink = sink
         self.create_graph = create_graph
         self.partial = ()  # the nodes of a failing region that ran before its error (engine)
+        self.hooked = {}  # node index -> the hooks this call's walk found (the plan's structure has them)
+        # node index -> (mode, reason): graph breaks found during this call. The plan is not changed;
+        # the API stores a new plan with them for later calls (plan.with_live), and this call runs
+        # those nodes live
+        self.breaks = {}
 
 
 class OnesRoot(tuple):

@@ -9,7 +9,10 @@ turned sparse) is checked by the per-call guard below, in the places the engine 
 :func:`region_guard` before a region's general path, :func:`layout_leaf_reasons` when a call starts,
 :func:`check_traced_outputs` while tracing, :func:`call_fallback` before a call is planned.
 
-A live decision is sticky for the structure: a later call with dense tensors runs the node live too
+A plan never changes once built. A live decision found during a call (a trace that fails, the
+per-call guard) makes that call run the node live and gives the structure a new plan with the node
+live (``plan.with_live``), stored by the API for later calls. So the decision is sticky for the
+structure: a later call with dense tensors runs the node live too
 (the same grads, only not compiled).
 
 Rows (also in the README's "what works with what"):

@@ -30,7 +30,7 @@ from . import saved as _saved
 from .cache import Compiled, find, make_guard
 from .call_context import CallContext, OnesRoot
 from .live import _run_live, _run_live_leaves
-from .plan import Plan, Region, _partition
+from .plan import Plan, Region, with_live
 from .release import _SECOND_BACKWARD, release_nodes
 from .stats import STATS, record_break
 
@@ -324,16 +324,12 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
 
 
 def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
-    """A node of ``region`` cannot be traced: it becomes a graph break in the plan (for later calls)
-    and this call runs the region's nodes one by one, eagerly."""
+    """A node of ``region`` cannot be traced: it becomes a graph break (for later calls, through
+    the new plan the API stores) and this call runs the region's nodes one by one, eagerly."""
     info = plan.infos[e.node_index]
     mode = "node" if (isinstance(e.exc, NotImplementedError) or when == "get_state") else "module"
     msg = str(e.exc).splitlines()[0][:200] if str(e.exc) else ""
-    reason = f"{type(e.exc).__name__} while {when}: {msg}"
-    info.live = (mode, reason)
-    record_break(info.name, reason)
-    log.debug("vjpgen: graph break at %s: %s", info.name, reason)
-    _partition(plan)
+    _mark_live(plan, {e.node_index: f"{type(e.exc).__name__} while {when}: {msg}"}, ctx, mode)
     if ctx.graphs is not None:
         ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
     for i in region.nodes:
@@ -352,14 +348,14 @@ def interpret_until_error(region, plan, nodes, metas, buf, ctx) -> None:
     ctx.partial = ()
 
 
-def _mark_live(plan: Plan, reasons: dict) -> None:
-    """Make the nodes of ``reasons`` (index -> why) graph breaks of the plan, for this call and later ones."""
+def _mark_live(plan: Plan, reasons: dict, ctx: CallContext, mode: str = "node") -> None:
+    """The nodes of ``reasons`` (index -> why) are graph breaks from now on: this call runs them
+    live (``ctx.breaks``) and later calls get a plan with them live (``plan.with_live``)."""
     for i, reason in reasons.items():
         info = plan.infos[i]
-        info.live = ("node", reason)
+        ctx.breaks[i] = (mode, reason)
         record_break(info.name, reason)
         log.debug("vjpgen: graph break at %s: %s", info.name, reason)
-    _partition(plan)
 
 
 def _guard_break(region, plan, nodes, metas, buf, ctx) -> None:
@@ -369,7 +365,7 @@ def _guard_break(region, plan, nodes, metas, buf, ctx) -> None:
     reasons = decide.region_reasons(region, plan, nodes, buf)
     if not reasons:  # a tensor no node claims (never a wrong grad: the whole region runs live)
         reasons = {i: "sparse, subclass or nested tensor among the region's inputs" for i in region.nodes}
-    _mark_live(plan, reasons)
+    _mark_live(plan, reasons, ctx)
     if ctx.graphs is not None:
         ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
     for i in region.nodes:
@@ -593,8 +589,9 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
     buf = [None] * plan.nslots
     if plan.layout_leaves:
         reasons = decide.layout_leaf_reasons(plan, nodes)
-        if reasons:
-            _mark_live(plan, reasons)
+        if reasons:  # a leaf turned sparse: this call already runs the plan with those nodes live
+            _mark_live(plan, reasons, ctx)
+            plan = with_live(plan, ctx.breaks)
     # the root grads are validated against the root edges (engine::execute), unless the API made
     # them as ones_like(output)
     own = type(root_grads) is OnesRoot
@@ -604,7 +601,7 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
             g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
         ctx.protected.add(id(g))
         buf[s] = g if buf[s] is None else buf[s] + g
-    early = plan.acc_early  # a graph break found now re-partitions plan.steps and these
+    early = plan.acc_early
     ctx.acc_final = plan.acc_final
     steps = plan.steps
     progress = [0, -2]  # steps done, last step whose early sinks ran

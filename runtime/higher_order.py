@@ -579,7 +579,7 @@ def accumulate_leaves(plan, nodes, buf, ctx, sinks=None) -> None:
     nat = native.module()
     for ai, s in sinks:
         g = buf[s]
-        if plan.hooked.get(ai) is not None:  # the engine's AccumulateGrad call, its hooks included
+        if ctx.hooked.get(ai) is not None:  # the engine's AccumulateGrad call, its hooks included
             nat.call_leaves([nodes[ai]], [g], not ctx.release)
         elif g is not None:
             _accumulate(nodes[ai].variable, g)

@@ -91,7 +91,7 @@ def accumulate_leaves(plan: Plan, nodes, buf, ctx: "CallContext", sinks=None) ->
         return
     for ai, s in sinks:
         g = buf[s]
-        nh = plan.hooked.get(ai)
+        nh = ctx.hooked.get(ai)
         if g is None and nh is None:
             continue
         accumulate_leaf(nodes[ai], g, ctx, nh)
@@ -145,21 +145,21 @@ def accumulate_leaf(acc_node, grad, ctx: "CallContext", node_hooks=None) -> None
         hooks.run_node_post_hooks(node_hooks.post, [], [grad])
 
 
-def captured_grads(plan: Plan, nodes, buf) -> list:
+def captured_grads(plan: Plan, nodes, buf, ctx: "CallContext") -> list:
     """The grads a call captures at its targets (grad()'s inputs, backward(inputs=)), one per
     target (None where none arrived). Where the call does not execute a target's node, the engine
     runs that node's tensor pre-hooks and retains_grad hooks on the captured grad
     (engine.cpp's evaluate_function), so a leaf's ``register_hook`` changes what grad() returns."""
     captured = [None if s is None else buf[s] for s in plan.target_slots]
-    if plan.capture_only and plan.hooked:
-        _capture_hooks(plan, nodes, buf, captured)
+    if plan.capture_only and ctx.hooked:
+        _capture_hooks(plan, nodes, buf, captured, ctx.hooked)
     return captured
 
 
-def _capture_hooks(plan: Plan, nodes, buf, captured: list) -> None:
+def _capture_hooks(plan: Plan, nodes, buf, captured: list, hooked: dict) -> None:
     by_node: dict = {}
     for k, i, nr in plan.capture_only:
-        if plan.hooked.get(i):
+        if hooked.get(i):
             by_node.setdefault(i, []).append((k, nr))
     if not by_node:
         return
@@ -186,7 +186,7 @@ def _capture_hooks(plan: Plan, nodes, buf, captured: list) -> None:
                         g = r
                 captured[k] = g
             continue
-        h = plan.hooked[i]
+        h = hooked[i]
         for k, nr in ks:
             g = captured[k]
             if g is None:

@@ -50,8 +50,9 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
     info = plan.infos[i]
     node = nodes[i]
     STATS.live_calls += 1
+    live = ctx.breaks.get(i) or info.live  # (a break this call found is not in the plan)
     if ctx.graphs is not None:
-        ctx.graphs.append(("live", info.name, None, info.live[1] if info.live else "module called eagerly"))
+        ctx.graphs.append(("live", info.name, None, live[1] if live else "module called eagerly"))
     grads = [None if s is None else buf[s] for s in info.in_slots]
     if not info.is_acc:
         # the node is the only reader of its input slots (unless one is a grad() target): they
@@ -62,9 +63,9 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
         for s in info.in_slots:
             if s is not None and s not in keep:
                 buf[s] = None
-    h = plan.hooked.get(i)
+    h = ctx.hooked.get(i)
     nat = native.module()
-    if nat is not None and (info.live is None or info.live[0] == "node" or type(h) is NativeHooks):
+    if nat is not None and (live is None or live[0] == "node" or type(h) is NativeHooks):
         # the engine's call_function, hooks included, in C++ (validate_outputs included)
         outs = nat.call_node(node, grads, not ctx.release)
         if ctx.release:
@@ -85,7 +86,7 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
                 buf[s] = grads[k]
         if h.pre:
             grads = hooks.run_node_pre_hooks(h.pre, grads)
-    mode = info.live[0] if info.live is not None else "module"
+    mode = live[0] if live is not None else "module"
     outs = None
     if mode == "module" and info.module is not None and not decide.unsupported_grads(grads):
         try:
@@ -95,7 +96,7 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
             _saved.forget((node,))
         except Exception as e:  # never a wrong gradient: ask the live node instead
             log.debug("vjpgen: %s module failed eagerly (%s); calling the live node", info.name, e)
-            info.live = ("node", f"module failed eagerly: {type(e).__name__}")
+            ctx.breaks[i] = ("node", f"module failed eagerly: {type(e).__name__}")
             outs = None
     if outs is None:
         if info.pyfunc:

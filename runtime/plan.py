@@ -2,7 +2,11 @@
 lead to a leaf or a requested input), in what order (dependency counting, ties broken by sequence
 number as the engine's ready queue does), which of them run live (no working module, hooks,
 custom Functions that cannot be traced, sparse tensors) and how the rest split into compiled
-:class:`Region` s around them; where leaf accumulation happens."""
+:class:`Region` s around them; where leaf accumulation happens.
+
+A plan is not changed after it is built: graph breaks a call finds give a new plan
+(:func:`with_live`); what hangs on a plan afterwards are caches (compiled entries, specialized
+gathers, the needs each node's state always has)."""
 
 from __future__ import annotations
 
@@ -109,7 +113,6 @@ class Plan:
         self.live_acc_bytes: dict = {}  # AccumulateGrad run live (hooks) -> bytes of its grad
         self.acc_early: dict = {}  # step index -> acc sinks complete after it (see _place_sinks)
         self.acc_final: list = []  # acc sinks accumulated after the last step
-        self.ran = False  # whether a call has executed this plan (see api._run_call)
         self.layout_leaves: tuple = ()  # traced nodes checked for a sparse leaf on every call (sparse.py)
         self.layout_leaf_accs: tuple = ()  # the leaves (AccumulateGrad indices) those nodes read
         # node index -> group of the nodes whose saved tensors have hooks, one group per unpack
@@ -345,6 +348,24 @@ def _segments(p: Plan) -> dict:
                 acc_bytes = 0
                 cap = HOOKED_LEAF_BYTES
     return seg
+
+
+def with_live(p: Plan, reasons: dict) -> Plan:
+    """A new plan: ``p`` with the nodes of ``reasons`` (index -> (mode, reason), graph breaks a call
+    found) run live, re-partitioned around them. ``p`` itself is never changed once built (a call
+    that runs it keeps its steps); the caches it carries (the create_graph regions') are shared."""
+    import copy
+
+    from . import decide
+
+    q = copy.copy(p)
+    q.infos = [copy.copy(info) for info in p.infos]
+    for i, live in reasons.items():
+        q.infos[i].live = live
+    _partition(q)
+    q.layout_leaves = decide.leaf_layouts(q)
+    q.layout_leaf_accs = decide.leaf_layout_accs(q)
+    return q
 
 
 def _partition(p: Plan) -> None:

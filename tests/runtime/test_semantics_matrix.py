@@ -576,3 +576,44 @@ def test_autograd_suite_runner_routes_backward_through_vjpgen(tmp_path):
     text = autograd_suite.report(eager, routed, "eager")
     assert "2 tests pass in eager; 1 of them pass" in text, text
     assert "test_engine_is_torchs" in text and "test_grad" not in text.split("do not:")[1], text
+
+
+def _save_clone(ctx, x):
+    ctx.save_for_backward(x)
+    return x.clone()
+
+
+def _data_dependent_backward(ctx, g):
+    (x,) = ctx.saved_tensors
+    return g * float(x.sum().item() > 0)  # pure, but make_fx cannot trace it
+
+
+def test_a_break_found_during_a_call_leaves_the_plan_unchanged(monkeypatch):
+    """A node found untraceable on a call runs live in that call; the plan that call ran is not
+    changed, a new plan with the node live serves later calls, and the break is counted once."""
+    from vjpgen.runtime import api
+
+    DataDependent = _function("DataDependent", _save_clone, _data_dependent_backward)
+    rt.clear_cache()
+    rt.reset_stats()
+    built = []
+    real = api._new_plan
+    monkeypatch.setattr(api, "_new_plan", lambda *a: built.append(real(*a)) or built[-1])
+    x = torch.randn(4, requires_grad=True)
+
+    def loss():
+        return (DataDependent.apply(x.sin()) * 2).sum()
+
+    want = torch.autograd.grad(loss(), x)[0]
+    got = rt.grad(loss(), x, backend="aot_eager")[0]
+    torch.testing.assert_close(got, want)
+    (first,) = built
+    assert rt.stats()["graph_breaks"] == 1, rt.stats()["graph_break_reasons"]
+    assert all(i.live is None for i in first.infos) and first.n_breaks == 0  # as built
+    (second,) = api._PLANS.values()
+    assert second is not first
+    assert [i.name for i in second.infos if i.live is not None] == ["DataDependentBackward"]
+    assert "LiveStep" in [type(s).__name__ for s in second.steps]
+    torch.testing.assert_close(rt.grad(loss(), x, backend="aot_eager")[0], want)
+    assert next(iter(api._PLANS.values())) is second and len(built) == 1
+    assert rt.stats()["graph_breaks"] == 1  # not found again
