@@ -273,10 +273,10 @@ def _execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, 
     stored as a new plan under the key for later calls (the plan itself never changes)."""
     plan, skey, hooked = call
     if create_graph:
-        ctx = engine.CallContext(backend, not retain_graph, higher_order.run_region, higher_order.accumulate_leaves,
+        ctx = engine.CallContext(backend, not retain_graph, higher_order.CreateGraph, higher_order.accumulate_leaves,
                                  True)
     else:
-        ctx = engine.CallContext(backend, not retain_graph, engine._run_region, leaves.accumulate_leaves)
+        ctx = engine.CallContext(backend, not retain_graph, engine.FirstOrder, leaves.accumulate_leaves)
     ctx.graphs = _explain_sink[-1] if _explain_sink else None
     ctx.hooked = hooked
     grad_was = torch.is_grad_enabled()

@@ -6,19 +6,20 @@ from __future__ import annotations
 class CallContext:
     """Per-call state shared with the sinks."""
 
-    __slots__ = ("protected", "graphs", "backend", "release", "acc_final", "run_region", "sink", "create_graph",
+    __slots__ = ("protected", "graphs", "backend", "release", "acc_final", "kind", "sink", "create_graph",
                  "partial", "hooked", "breaks")
 
-    def __init__(self, backend, release: bool = False, run_region=None, sink=None, create_graph: bool = False):
+    def __init__(self, backend, release: bool = False, kind=None, sink=None, create_graph: bool = False):
         self.protected = set()
         self.graphs = None
         self.backend = backend
         self.release = release  # no retain_graph: free saved tensors as the nodes run
         self.acc_final = None  # the acc sinks left for accumulate_leaves (set by execute)
-        # the region runner and the leaf sink of this call's order: engine._run_region and
-        # leaves.accumulate_leaves at first order, higher_order's differentiable ones with
-        # create_graph (the executor, engine.execute, is the same)
-        self.run_region = run_region
+        # the kind of region (how a region finds, compiles and calls its graph) and the leaf sink of
+        # this call's order: engine.FirstOrder and leaves.accumulate_leaves at first order,
+        # higher_order's differentiable ones with create_graph (the executor, lookup and miss
+        # path, engine.execute and engine._run_region, are the same)
+        self.kind = kind
         self.sink = sink
         self.create_graph = create_graph
         self.partial = ()  # the nodes of a failing region that ran before its error (engine)

@@ -390,32 +390,35 @@ def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallC
     if decide.region_guard(T):  # the per-call guard: dense, plain tensors only (decide.py)
         _guard_break(region, plan, nodes, metas, buf, ctx)
         return None, None, None
-    compiled, fk = region.cache.lookup(S, T, I)
+    kind = ctx.kind
+    cache = kind.cache(region, plan, T)
+    compiled, fk = cache.lookup(S, T, I)
     if compiled is None:
         with capture.LOCK:
-            return _miss(region, plan, nodes, metas, buf, ctx, S, T, I)
+            return _miss(region, plan, nodes, metas, buf, ctx, S, T, I, cache)
     STATS.cache_hits += 1
     compiled.hits += 1
     # later calls with this S gather through a specialization (before the nodes release their state)
-    fastpath.remember(region, plan, nodes, metas, buf, S)
+    kind.remember(region, plan, nodes, metas, buf, S, T, cache, True)
     return compiled, T, I
 
 
-def _miss(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext, S, T, I):
-    compiled, fk = region.cache.lookup(S, T, I)  # another thread may have compiled it meanwhile
+def _miss(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext, S, T, I, cache):
+    kind = ctx.kind
+    compiled, fk = cache.lookup(S, T, I)  # another thread may have compiled it meanwhile
     if compiled is None:
         _, _, _, _, lT, lI = _gather(region, plan, nodes, metas, buf, labels=True)
-        dd, di, reason = region.cache.plan_miss(S, T, I, lT, lI)
+        dd, di, reason = cache.plan_miss(S, T, I, lT, lI)
         STATS.cache_misses += 1
-        if region.cache.n_compiled:
+        if cache.n_compiled:
             STATS.recompiles += 1
-            STATS.recompile_reasons.append(f"{region.label}: {reason}")
+            STATS.recompile_reasons.append(f"{cache.label}: {reason}")
         log.debug(
             "vjpgen: cache miss in %s (%d nodes): %s; tracing (%s)",
-            region.label, len(region.nodes), reason, "dynamic" if (dd or di) else "static",
+            cache.label, len(region.nodes), reason, "dynamic" if (dd or di) else "static",
         )
         try:
-            compiled = _compile_region(region, plan, S, T, I, dd, di, ctx.backend, lT, lI)
+            compiled = kind.compile(region, plan, nodes, S, T, I, dd, di, ctx.backend, lT, lI, cache)
         except _NodeTraceError as e:
             if not (dd or di):
                 _break_region(e, region, plan, nodes, metas, buf, ctx, "tracing")
@@ -423,46 +426,37 @@ def _miss(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext, S, T,
             # some aten meta kernels reject symbolic sizes (e.g. upsample_*_backward): specialize
             # this shape instead of breaking the graph (an exact-match entry, as torch.compile
             # falls back to static shapes)
-            log.debug("vjpgen: dynamic trace of %s failed (%s); tracing static", region.label, e.exc)
-            STATS.recompile_reasons.append(f"{region.label}: dynamic trace failed, specialized ({type(e.exc).__name__})")
+            log.debug("vjpgen: dynamic trace of %s failed (%s); tracing static", cache.label, e.exc)
+            STATS.recompile_reasons.append(f"{cache.label}: dynamic trace failed, specialized ({type(e.exc).__name__})")
             try:
-                compiled = _compile_region(region, plan, S, T, I, {}, set(), ctx.backend, lT, lI)
+                compiled = kind.compile(region, plan, nodes, S, T, I, {}, set(), ctx.backend, lT, lI, cache)
             except _NodeTraceError as e2:
                 _break_region(e2, region, plan, nodes, metas, buf, ctx, "tracing")
                 return None, None, None
         STATS.compiles += 1
         for i in region.nodes:
             STATS.nodes_compiled_by_class[plan.infos[i].name] += 1
-        region.cache.add(S, T, I, fk, compiled)
+        cache.add(S, T, I, fk, compiled)
     else:
         STATS.cache_hits += 1
         compiled.hits += 1
-    # later calls with this S gather through a specialization (before the nodes release their
-    # state); not where saved tensors have hooks, each of which must run once per call
-    if not region.saved_hooks:
-        fastpath.remember(region, plan, nodes, metas, buf, S)
+    kind.remember(region, plan, nodes, metas, buf, S, T, cache, False)
     return compiled, T, I
 
 
 def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext) -> bool:
-    """Run one compiled region; returns False when it had to be interpreted (trace failure)."""
-    compiled = None
-    if region.fast:  # a structure seen before: its specialized gather and tables
-        r = fastpath.lookup(region, nodes, metas, buf)
-        if r is not None:
-            T, I, by_ints, by_meta, compiled, arm = r
-            if compiled is None:  # (else the native gather checked this entry's guards)
-                try:
-                    compiled = find(by_ints, by_meta, T, I)
-                except TypeError:  # e.g. an unhashable SymInt among the sizes: the general path decides
-                    compiled = None
-                if compiled is not None and arm is not None:
-                    arm(compiled)
-    if compiled is None:
+    """Run one compiled region, of the call's kind (``ctx.kind``: :class:`FirstOrder`, or
+    higher_order's create_graph kind): its specialized gather and tables for a structure seen
+    before, else the general path; then the kind calls the graph. Returns False when the region
+    had to be interpreted (trace failure)."""
+    kind = ctx.kind
+    r = kind.fast(region, plan, nodes, metas, buf) if (region.fast or kind.fast_anyway) else None
+    if r is None:
         compiled, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, ctx)
         if compiled is None:
             return False
     else:
+        compiled, T, I = r
         STATS.cache_hits += 1
         compiled.hits += 1
     if ctx.graphs is not None:
@@ -472,18 +466,62 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
     if ctx.release:
         release_nodes(nodes, region.nodes, plan.infos)
     _saved.forget(nodes[i] for i in region.nodes)
-    for s in region.drop_in:
-        buf[s] = None
-    outs = compiled.fn(compiled.args(T, I))  # boxed: the callee empties the list
-    del T
-    if compiled.conform is not False:
-        _conform_outputs(region, plan, compiled, outs, metas)
-    table = compiled.out_table
-    if table is None:
-        table = compiled.out_table = _out_table(region, compiled)
-    nat = native.module()
-    (nat.scatter_outputs if nat is not None else scatter_outputs)(outs, table, buf, ctx.protected)
+    kind.call(region, plan, compiled, T, I, metas, buf, ctx)
     return True
+
+
+class FirstOrder:
+    """The first-order kind of region: the region's own cache and specialized gathers (the native
+    one armed with the entry its guards chose), compiled graphs called as boxed functions whose
+    outputs are scattered into the grad buffer. higher_order.CreateGraph is the other kind."""
+
+    fast_anyway = False  # (only a region with specializations tries the fast path)
+
+    @staticmethod
+    def fast(region, plan, nodes, metas, buf):
+        """(Compiled, T, I) from a specialized gather and its tables, or None."""
+        r = fastpath.lookup(region, nodes, metas, buf)
+        if r is None:
+            return None
+        T, I, by_ints, by_meta, compiled, arm = r
+        if compiled is None:  # (else the native gather checked this entry's guards)
+            try:
+                compiled = find(by_ints, by_meta, T, I)
+            except TypeError:  # e.g. an unhashable SymInt among the sizes: the general path decides
+                return None
+            if compiled is None:
+                return None
+            if arm is not None:
+                arm(compiled)
+        return compiled, T, I
+
+    @staticmethod
+    def cache(region, plan, T):
+        return region.cache
+
+    @staticmethod
+    def compile(region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache):
+        return _compile_region(region, plan, S, T, I, dd, di, backend, lT, lI)
+
+    @staticmethod
+    def remember(region, plan, nodes, metas, buf, S, T, cache, hit: bool) -> None:
+        # not after a miss where saved tensors have hooks, each of which must run once per call
+        if hit or not region.saved_hooks:
+            fastpath.remember(region, plan, nodes, metas, buf, S)
+
+    @staticmethod
+    def call(region, plan, compiled, T, I, metas, buf, ctx) -> None:
+        for s in region.drop_in:
+            buf[s] = None
+        outs = compiled.fn(compiled.args(T, I))  # boxed: the callee empties the list
+        del T
+        if compiled.conform is not False:
+            _conform_outputs(region, plan, compiled, outs, metas)
+        table = compiled.out_table
+        if table is None:
+            table = compiled.out_table = _out_table(region, compiled)
+        nat = native.module()
+        (nat.scatter_outputs if nat is not None else scatter_outputs)(outs, table, buf, ctx.protected)
 
 
 def scatter_outputs(outs, table, buf: list, protected: set) -> None:
@@ -552,7 +590,7 @@ def _execute_steps(plan: Plan, nodes, metas, buf, ctx: CallContext, early: dict,
     a run of consecutive live AccumulateGrad steps (DDP's hooked parameters) is one native call.
     ``progress``: [steps done, last step whose early sinks ran] (read when a step raises)."""
     sink = ctx.sink
-    run_region = ctx.run_region
+    run_region = _run_region
     if -1 in early:
         sink(plan, nodes, buf, ctx, early[-1])
     steps = list(plan.steps)
@@ -609,7 +647,7 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
         if early or plan.live_acc_bytes:
             _execute_steps(plan, nodes, metas, buf, ctx, early, progress)
             return buf
-        run_region = ctx.run_region
+        run_region = _run_region
         for step in list(steps):
             if type(step) is Region:
                 run_region(step, plan, nodes, metas, buf, ctx)

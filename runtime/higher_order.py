@@ -497,33 +497,30 @@ def _remember(region, plan, nodes, metas, buf, S, rg, cache) -> None:
         lst.append((fn, rg, *cache.tables(S)))
 
 
-def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
-    r = _fast_lookup(region, plan, nodes, metas, buf)
-    if r is not None:
-        STATS.cache_hits += 1
-        r[0].hits += 1
-        return r
-    try:
-        S, T, I, _, _, _ = engine._gather(region, plan, nodes, metas, buf)
-    except engine._NodeTraceError as e:
-        e.when = "get_state"
-        raise
-    if decide.region_guard(T):  # sparse, subclass or nested: the nodes that touch them run live
-        return None, None, None
-    rg = tuple(t.requires_grad for t in T)
-    caches = _region_caches(plan)
-    ck = (tuple(region.nodes), rg)  # a re-partitioned plan (a graph break) has new regions
-    cache = caches.get(ck)
-    if cache is None:
-        cache = caches[ck] = RegionCache(f"{region.label} (create_graph)")
-    entry, fk = cache.lookup(S, T, I)
-    if entry is None:
-        _, _, _, _, lT, lI = engine._gather(region, plan, nodes, metas, buf, labels=True)
-        dd, di, reason = cache.plan_miss(S, T, I, lT, lI)
-        STATS.cache_misses += 1
-        if cache.n_compiled:
-            STATS.recompiles += 1
-            STATS.recompile_reasons.append(f"{region.label} (create_graph): {reason}")
+class CreateGraph:
+    """The create_graph kind of region for the executor's one lookup (engine._run_region): one
+    region cache per requires-grad pattern of the region's tensors, compiled entries that hold a
+    :class:`DiffGraph` (traced like a first-order region, its family and derivative order
+    recorded), called as a differentiable function whose grads are added into the buffer."""
+
+    fast_anyway = True  # its specializations live on the plan (plan.ho_fast), not on the region
+
+    @staticmethod
+    def fast(region, plan, nodes, metas, buf):
+        return _fast_lookup(region, plan, nodes, metas, buf)
+
+    @staticmethod
+    def cache(region, plan, T):
+        rg = tuple(t.requires_grad for t in T)
+        caches = _region_caches(plan)
+        ck = (tuple(region.nodes), rg)  # a plan with a new graph break has new regions
+        cache = caches.get(ck)
+        if cache is None:
+            cache = caches[ck] = RegionCache(f"{region.label} (create_graph)")
+        return cache
+
+    @staticmethod
+    def compile(region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache):
         order = _region_order(region, plan, nodes)
         fams = cache.families = getattr(cache, "families", None) or {}
         family = fams.get(S)
@@ -531,44 +528,17 @@ def _lookup_or_compile(region, plan, nodes, metas, buf, backend):
             full = engine._make_region_fn(region, plan, S, len(T), list(I), range(len(I)), [])
             family = fams[S] = Family(full, len(T), len(I), order)
         with engine._gc_resumed():
-            try:
-                entry = _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family)
-            except engine._NodeTraceError:
-                if not (dd or di):
-                    raise
-                STATS.recompile_reasons.append(f"{region.label}: dynamic trace failed, specialized")
-                entry = _compile(region, plan, S, T, I, {}, set(), backend, lT, lI, order, family)
-        STATS.compiles += 1
+            entry = _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family)
         _count("compiles", entry.dg.order)
-        cache.add(S, T, I, fk, entry)
-    else:
-        STATS.cache_hits += 1
-        entry.hits += 1
-    _remember(region, plan, nodes, metas, buf, S, rg, cache)
-    return entry, T, I
+        return entry
 
+    @staticmethod
+    def remember(region, plan, nodes, metas, buf, S, T, cache, hit: bool) -> None:
+        _remember(region, plan, nodes, metas, buf, S, tuple(t.requires_grad for t in T), cache)
 
-def run_region(region, plan, nodes, metas, buf, ctx) -> None:
-    """The create_graph region runner of the executor (engine.execute): the region's compiled graph
-    called as a differentiable function (its cache keyed also by which inputs require grad)."""
-    try:
-        entry, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, ctx.backend)
-    except engine._NodeTraceError as e:
-        if isinstance(e.exc, RuntimeError) and engine._SECOND_BACKWARD in str(e.exc):
-            # this graph was freed by an earlier backward: eager raises too, at its node
-            engine.interpret_until_error(region, plan, nodes, metas, buf, ctx)
-            return
-        # the node becomes a graph break (for later calls too); this call runs the region's nodes
-        # as the engine would, in grad mode
-        engine._break_region(e, region, plan, nodes, metas, buf, ctx, getattr(e, "when", "tracing"))
-        return
-    if entry is None:  # sparse, subclass or nested tensors among the region's inputs
-        engine._guard_break(region, plan, nodes, metas, buf, ctx)
-        return
-    if ctx.release:
-        release_nodes(nodes, region.nodes, plan.infos)
-    _saved.forget(nodes[i] for i in region.nodes)
-    _call_region(region, entry, T, I, buf, metas, plan)
+    @staticmethod
+    def call(region, plan, entry, T, I, metas, buf, ctx) -> None:
+        _call_region(region, entry, T, I, buf, metas, plan)
 
 
 def accumulate_leaves(plan, nodes, buf, ctx, sinks=None) -> None:
