@@ -34,10 +34,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import capture, decide, engine, fastpath, native
-from . import saved as _saved
 from .cache import Compiled, RegionCache, find, make_guard
 from .leaves import _clone_obey_contract
-from .release import release_nodes
 from .stats import STATS
 
 log = logging.getLogger("vjpgen")
