@@ -85,7 +85,7 @@ def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False)
     path; the cache-hit path below inlines :func:`vjpgen.runtime.capture.flatten` for the common
     saved values (tensors, scalars, sequences of ints) and produces the same encoding."""
     if labels:
-        return _gather_labeled(region, plan, nodes, metas, buf, True)
+        return _gather_labeled(region, plan, nodes, metas, buf)
     T: list = []
     tid: dict = {}
     I: list = []
@@ -169,22 +169,25 @@ def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False)
     return tuple(S), T, I, tid, None, None
 
 
-def _gather_labeled(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False):
-    """:func:`_gather` (also in the slow, general way when ``labels``), naming every tensor and int."""
+def _gather_labeled(region: Region, plan: Plan, nodes, metas, buf):
+    """The reference writer of a region's key: every value through :func:`capture.flatten`, each
+    tensor and int named (for miss reasons and explain). :func:`_gather`'s inlined hot path, the
+    specialized gathers of fastpath.py and the native gather are tested to produce its (S, T, I)
+    (tests/runtime/test_fastpath.py)."""
     T: list = []
     tid: dict = {}
     I: list = []
     S: list = []
     flatten = capture.flatten
-    lT = [] if labels else None
-    lI = [] if labels else None
+    lT: list = []
+    lI: list = []
     for s in region.in_slots:
         g = buf[s]
         if g is None:
             S.append(None)
         else:
             flatten(g, False, T, tid, I, S)
-            if labels and len(lT) < len(T):
+            if len(lT) < len(T):
                 lT.append(f"incoming grad (slot {s})")
     infos = plan.infos
     for i in region.nodes:
@@ -195,28 +198,12 @@ def _gather_labeled(region: Region, plan: Plan, nodes, metas, buf, labels: bool 
         except Exception as e:
             raise _NodeTraceError(i, e) from e
         S.append(tuple(state[0]))
-        if labels:
-            for k, (v, sym) in enumerate(zip(state[1:], info.sym_flags)):
-                nT, nI = len(T), len(I)
-                flatten(v, sym, T, tid, I, S)
-                nm = f"{info.name}[{i}].{info.saved_names[k] if k < len(info.saved_names) else k}"
-                lT.extend([nm] * (len(T) - nT))
-                lI.extend([nm] * (len(I) - nI))
-        else:
-            for v, sym in zip(state[1:], info.sym_flags):
-                tp = type(v)
-                if tp is _Tensor or tp is _Parameter:  # fast path: most saved values are tensors
-                    k = id(v)
-                    p_ = tid.get(k)
-                    if p_ is None:
-                        p_ = tid[k] = len(T)
-                        T.append(v)
-                    S.append(_TMARK)
-                    S.append(p_)
-                elif v is None or tp is bool or tp is float or tp is _dtype or (tp is int and not sym):
-                    S.append(v)
-                else:
-                    flatten(v, sym, T, tid, I, S)
+        for k, (v, sym) in enumerate(zip(state[1:], info.sym_flags)):
+            nT, nI = len(T), len(I)
+            flatten(v, sym, T, tid, I, S)
+            nm = f"{info.name}[{i}].{info.saved_names[k] if k < len(info.saved_names) else k}"
+            lT.extend([nm] * (len(T) - nT))
+            lI.extend([nm] * (len(I) - nI))
         if len(state) - 1 != info.n_saved:
             raise RuntimeError(f"vjpgen: {info.name}.get_state returned {len(state) - 1} saved values, SCHEMA has {info.n_saved}")
         for (_, _, d, nr) in info.out:
@@ -226,8 +213,7 @@ def _gather_labeled(region: Region, plan: Plan, nodes, metas, buf, labels: bool 
             S.append(m.device)
             S.append(len(shape))
             I.extend(shape)
-            if labels:
-                lI.extend([f"shape of input {nr} of {infos[d].name}[{d}]"] * len(shape))
+            lI.extend([f"shape of input {nr} of {infos[d].name}[{d}]"] * len(shape))
     return tuple(S), T, I, tid, lT, lI
 
 
