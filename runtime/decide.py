@@ -7,7 +7,9 @@ engine would run it, at a graph break counted in ``stats()``). Execution reads t
 only be seen on a call (a sparse or subclass tensor arriving where a dense one was compiled, a leaf
 turned sparse) is checked by the per-call guard below, in the places the engine asks it:
 :func:`region_guard` before a region's general path, :func:`layout_leaf_reasons` when a call starts,
-:func:`check_traced_outputs` while tracing, :func:`call_fallback` before a call is planned.
+:func:`check_traced_outputs` while tracing, :func:`call_fallback` before a call is planned; what a
+failed trace or eager module run means for a node, :func:`trace_failure` and
+:func:`module_failure`.
 
 A plan never changes once built. A live decision found during a call (a trace that fails, the
 per-call guard) makes that call run the node live and gives the structure a new plan with the node
@@ -277,6 +279,21 @@ def call_fallback(tensors) -> str | None:
         if isinstance(t, _Tensor) and t.layout != _STRIDED and t.layout not in sparse.SPARSE_LAYOUTS:
             return f"{t.layout} tensors are not captured"
     return None
+
+
+def trace_failure(exc: BaseException, when: str) -> tuple:
+    """A node whose state could not be read or whose kernel could not be traced on a call
+    (``when``: "get_state" or "tracing"): how it runs from now on, ``(mode, reason)``. A
+    NotImplementedError (an untranslatable formula, a ctx that holds objects) or a get_state
+    failure calls the live node; any other trace failure runs its generated module eagerly."""
+    mode = "node" if (isinstance(exc, NotImplementedError) or when == "get_state") else "module"
+    msg = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return mode, f"{type(exc).__name__} while {when}: {msg}"
+
+
+def module_failure(exc: BaseException) -> tuple:
+    """A node whose generated module failed when run eagerly: the live node from now on."""
+    return "node", f"module failed eagerly: {type(exc).__name__}"
 
 
 def create_graph_reason(plan) -> str | None:

@@ -312,10 +312,8 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
 def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
     """A node of ``region`` cannot be traced: it becomes a graph break (for later calls, through
     the new plan the API stores) and this call runs the region's nodes one by one, eagerly."""
-    info = plan.infos[e.node_index]
-    mode = "node" if (isinstance(e.exc, NotImplementedError) or when == "get_state") else "module"
-    msg = str(e.exc).splitlines()[0][:200] if str(e.exc) else ""
-    _mark_live(plan, {e.node_index: f"{type(e.exc).__name__} while {when}: {msg}"}, ctx, mode)
+    mode, reason = decide.trace_failure(e.exc, when)
+    _mark_live(plan, {e.node_index: reason}, ctx, mode)
     if ctx.graphs is not None:
         ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
     for i in region.nodes:
