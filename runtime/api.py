@@ -459,7 +459,8 @@ def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_grap
     These shortcuts (and the two below) end in the same ``_run`` as the engine hook; the semantics
     matrix runs both ways (``torch.autograd.grad`` and a ``grad`` imported before the block)."""
     st = _stack()
-    if not st or getattr(_local, "bypass", 0) or torch.overrides.has_torch_function_unary(self) or (
+    if not st or getattr(_local, "bypass", 0) or torch.overrides.has_torch_function_unary(self) or not _plain(
+        inputs) or (  # (a generator or dict of inputs: torch's parsing, then the engine hook)
         _foreign(self, inputs) if type(self) is not torch.Tensor or inputs is not None
         else torch._C._functorch.peek_interpreter_stack() is not None or _dispatch_mode() is not None
     ):

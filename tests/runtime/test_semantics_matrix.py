@@ -170,6 +170,9 @@ def f_generator_inputs(call):
     loss = m(torch.randn(4, 3)).sum()
     if call.kind == "grad":
         return call(loss, m.parameters())  # a generator, as learn2learn passes it
+    if call.ep == "Tensor.backward":  # backward(inputs=<generator>)
+        loss.backward(inputs=(p for p in m.parameters()), create_graph=call.create_graph)
+        return [p.grad for p in m.parameters()]
     call(loss, list(m.parameters()))
     return [p.grad for p in m.parameters()]
 
