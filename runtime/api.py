@@ -461,8 +461,7 @@ def _patched_tensor_backward(self, gradient=None, retain_graph=None, create_grap
     st = _stack()
     if not st or getattr(_local, "bypass", 0) or torch.overrides.has_torch_function_unary(self) or not _plain(
         inputs) or (  # (a generator or dict of inputs: torch's parsing, then the engine hook)
-        _foreign(self, inputs) if type(self) is not torch.Tensor or inputs is not None
-        else torch._C._functorch.peek_interpreter_stack() is not None or _dispatch_mode() is not None
+        _foreign(self, inputs) if type(self) is not torch.Tensor or inputs is not None else _transformed()
     ):
         return _orig_tensor_backward(self, gradient, retain_graph, create_graph, inputs=inputs)
     return _backward_body(
@@ -535,7 +534,7 @@ def _foreign(outputs, inputs) -> bool:
     vmap included), or inside a trace (a dispatch mode such as make_fx's or a fake mode is active,
     or the tensors are fake or functional ones). Other tensor subclasses are vjpgen's: the nodes
     that touch them run live (decide.py)."""
-    if torch._C._functorch.peek_interpreter_stack() is not None or _dispatch_mode() is not None:
+    if _transformed():
         return True
     for group in (outputs, inputs):
         if group is None:
@@ -549,6 +548,11 @@ def _foreign(outputs, inputs) -> bool:
             if isinstance(t, _TRACE_TENSORS) or torch._C._functorch.is_functorch_wrapped_tensor(t):
                 return True
     return False
+
+
+def _transformed() -> bool:
+    """A torch.func transform or a trace (a dispatch mode: make_fx's, a fake mode) is active."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or _dispatch_mode() is not None
 
 
 def _trace_tensor_types() -> tuple:
@@ -573,18 +577,11 @@ def _patched_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_gra
     if not st or _local_bypass() or kwargs or _foreign(t_outputs, inputs):
         return _orig_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_graph, inputs,
                                          allow_unreachable, accumulate_grad, **kwargs)
-    return _engine_body(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable,
-                        accumulate_grad, st[-1])
-
-
-def _engine_body(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unused, accumulate, backend):
-    outputs = tuple(t_outputs)
-    ins = tuple(inputs) if inputs else None
-    if accumulate and create_graph:
+    if accumulate_grad and create_graph:
         _warn_create_graph_cycle()
-    res = _run(outputs, tuple(grad_tensors), ins, bool(keep_graph), backend, bool(accumulate),
-               bool(allow_unused), bool(create_graph), grads_made=True)
-    return () if accumulate else res
+    res = _run(tuple(t_outputs), tuple(grad_tensors), tuple(inputs) if inputs else None, bool(keep_graph), st[-1],
+               bool(accumulate_grad), bool(allow_unreachable), bool(create_graph), grads_made=True)
+    return () if accumulate_grad else res
 
 
 @contextlib.contextmanager

@@ -434,7 +434,7 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
     before, else the general path; then the kind calls the graph. Returns False when the region
     had to be interpreted (trace failure)."""
     kind = ctx.kind
-    r = kind.fast(region, plan, nodes, metas, buf) if (region.fast or kind.fast_anyway) else None
+    r = kind.fast(region, plan, nodes, metas, buf)
     if r is None:
         compiled, T, I = _lookup_or_compile(region, plan, nodes, metas, buf, ctx)
         if compiled is None:
@@ -459,11 +459,11 @@ class FirstOrder:
     one armed with the entry its guards chose), compiled graphs called as boxed functions whose
     outputs are scattered into the grad buffer. higher_order.CreateGraph is the other kind."""
 
-    fast_anyway = False  # (only a region with specializations tries the fast path)
-
     @staticmethod
     def fast(region, plan, nodes, metas, buf):
         """(Compiled, T, I) from a specialized gather and its tables, or None."""
+        if not region.fast:  # a structure not seen before
+            return None
         r = fastpath.lookup(region, nodes, metas, buf)
         if r is None:
             return None
@@ -602,7 +602,7 @@ def _execute_steps(plan: Plan, nodes, metas, buf, ctx: CallContext, early: dict,
 
 
 def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
-    """Run the plan's steps with ``ctx``'s region runner and leaf sink (the one executor of every
+    """Run the plan's steps with ``ctx``'s region kind and leaf sink (the one executor of every
     call, first order and create_graph); returns the slot buffer (the caller runs the last sinks).
 
     When a step raises, the leaves whose grads were complete by then are accumulated before the
@@ -639,7 +639,7 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
                 _run_live(step.node, plan, nodes, metas, buf, ctx)
             progress[0] += 1
     except BaseException:
-        if ctx.sink is not None and plan.acc_sinks:
+        if plan.acc_sinks:
             _sink_complete(plan, nodes, buf, ctx, steps, early, progress)
         raise
     return buf

@@ -1,6 +1,6 @@
-"""``create_graph=True`` compiled, to any order: the region runner and leaf sink that the one
-executor (:func:`vjpgen.runtime.engine.execute`, called by ``api._execute``) uses for a
-create_graph call; nothing here walks, plans or executes a graph.
+"""``create_graph=True`` compiled, to any order: the region kind (:class:`CreateGraph`) and leaf
+sink that the one executor (:func:`vjpgen.runtime.engine.execute`, called by ``api._execute``)
+uses for a create_graph call; nothing here walks, plans, looks up or executes a graph.
 
 A create_graph backward runs the plan's compiled regions as differentiable functions: each region
 is traced from the generated kernels (``apply_functional``) into one aten graph, compiled, and
@@ -501,10 +501,8 @@ class CreateGraph:
     :class:`DiffGraph` (traced like a first-order region, its family and derivative order
     recorded), called as a differentiable function whose grads are added into the buffer."""
 
-    fast_anyway = True  # its specializations live on the plan (plan.ho_fast), not on the region
-
     @staticmethod
-    def fast(region, plan, nodes, metas, buf):
+    def fast(region, plan, nodes, metas, buf):  # (its specializations live on the plan, plan.ho_fast)
         return _fast_lookup(region, plan, nodes, metas, buf)
 
     @staticmethod

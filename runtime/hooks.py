@@ -202,12 +202,35 @@ def leaf_hooks(variable) -> tuple:
     return (tuple(bh.values()) if bh else (), tuple(ph.values()) if ph else ())
 
 
+def run_leaf_pre_hooks(variable, grad):
+    """A leaf tensor's Python hooks (``register_hook``) on ``grad``, in order."""
+    for hook in leaf_hooks(variable)[0]:
+        r = hook(grad)
+        if r is not None:
+            grad = r
+    return grad
+
+
 def run_tensor_pre_hooks(hooks_dict, grad):
     for hook in tuple(hooks_dict.values()):
         r = hook(grad)
         if r is not None:
             grad = r
     return grad
+
+
+def call_tensor_pre_hooks(h: NodeHooks, grads: list) -> list:
+    """engine.cpp's call_tensor_pre_hooks over the Python-tracked hooks of a (non-leaf) node: each
+    input's tensor hooks, then its retain_grad; ``grads`` (one per input) is updated in place."""
+    if h.tensor_pre:
+        for k, d in h.tensor_pre.items():
+            if k < len(grads) and grads[k] is not None:
+                grads[k] = run_tensor_pre_hooks(d, grads[k])
+    if h.retain:
+        for k, ref in h.retain.items():
+            if k < len(grads):
+                run_retain(ref, grads[k])
+    return grads
 
 
 def run_retain(ref, grad) -> None:

@@ -157,42 +157,23 @@ def captured_grads(plan: Plan, nodes, buf, ctx: "CallContext") -> list:
 
 
 def _capture_hooks(plan: Plan, nodes, buf, captured: list, hooked: dict) -> None:
+    nat = native.module()
     by_node: dict = {}
     for k, i, nr in plan.capture_only:
         if hooked.get(i):
             by_node.setdefault(i, []).append((k, nr))
-    if not by_node:
-        return
-    nat = native.module()
     for i, ks in by_node.items():
         info = plan.infos[i]
         node = nodes[i]
-        if nat is not None:  # every hook, C++ ones too, in the engine's order
-            grads = [None if s is None else buf[s] for s in info.in_slots]
-            for k, nr in ks:
-                grads[nr] = captured[k]
-            out = nat.tensor_pre_hooks(node, grads)
-            for k, nr in ks:
-                captured[k] = out[nr]
-            continue
-        if info.is_acc:  # the Python hooks of the leaf
-            for k, nr in ks:
-                g = captured[k]
-                if g is None:  # the engine calls no Python hook on an undefined grad
-                    continue
-                for hook in hooks.leaf_hooks(node.variable)[0]:
-                    r = hook(g)
-                    if r is not None:
-                        g = r
-                captured[k] = g
-            continue
-        h = hooked[i]
+        grads = [None if s is None else buf[s] for s in info.in_slots]
         for k, nr in ks:
-            g = captured[k]
-            if g is None:
-                continue
-            if h.tensor_pre and nr in h.tensor_pre:
-                g = hooks.run_tensor_pre_hooks(h.tensor_pre[nr], g)
-            if h.retain and nr in h.retain:
-                hooks.run_retain(h.retain[nr], g)
-            captured[k] = g
+            grads[nr] = captured[k]
+        if nat is not None:  # every hook, C++ ones too, in the engine's order
+            grads = nat.tensor_pre_hooks(node, grads)
+        elif info.is_acc:  # the Python hooks of the leaf; none on an undefined grad, as the engine
+            if grads[0] is not None:
+                grads[0] = hooks.run_leaf_pre_hooks(node.variable, grads[0])
+        else:
+            hooks.call_tensor_pre_hooks(hooked[i], grads)
+        for k, nr in ks:
+            captured[k] = grads[nr]

@@ -73,14 +73,7 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
         _add_outputs(info, outs, grads, buf, ctx)
         return
     if h is not None:
-        if h.tensor_pre:
-            for k, d in h.tensor_pre.items():
-                if k < len(grads) and grads[k] is not None:
-                    grads[k] = hooks.run_tensor_pre_hooks(d, grads[k])
-        if h.retain:
-            for k, ref in h.retain.items():
-                if k < len(grads):
-                    hooks.run_retain(ref, grads[k])
+        hooks.call_tensor_pre_hooks(h, grads)
         for k, s in enumerate(info.in_slots):  # captured grads see the hooked values
             if s is not None:
                 buf[s] = grads[k]

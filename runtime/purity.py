@@ -24,7 +24,6 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
-import math
 import textwrap
 import types
 
@@ -58,7 +57,6 @@ _RANDOM = frozenset({
     "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "rrelu",
     "gumbel_softmax", "fork_rng", "initial_seed",
 })
-_PURE_MODULES = (torch, math)
 _MAX_DEPTH = 3
 
 
