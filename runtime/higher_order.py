@@ -33,7 +33,7 @@ import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import capture, decide, engine, fastpath, native
+from . import capture, decide, engine, fastpath, hooks, native
 from .cache import Compiled, RegionCache, find, make_guard
 from .leaves import _clone_obey_contract
 from .stats import STATS
@@ -539,7 +539,8 @@ class CreateGraph:
 
 def accumulate_leaves(plan, nodes, buf, ctx, sinks=None) -> None:
     """The create_graph leaf sink of the executor: AccumulateGrad in grad mode (the grads carry
-    their history), hooked leaves through the engine's own AccumulateGrad call."""
+    their history), hooked leaves through the engine's own AccumulateGrad call. Without the native
+    helper the walk does not see a leaf's hooks: its Python hooks are read and run here."""
     if sinks is None:
         sinks = ctx.acc_final if ctx.acc_final is not None else plan.acc_final
     nat = native.module()
@@ -548,7 +549,13 @@ def accumulate_leaves(plan, nodes, buf, ctx, sinks=None) -> None:
         if ctx.hooked.get(ai) is not None:  # the engine's AccumulateGrad call, its hooks included
             nat.call_leaves([nodes[ai]], [g], not ctx.release)
         elif g is not None:
-            _accumulate(nodes[ai].variable, g)
+            var = nodes[ai].variable
+            if nat is None:
+                g = hooks.run_leaf_pre_hooks(var, g)
+            _accumulate(var, g)
+            if nat is None:
+                for hook in hooks.leaf_hooks(var)[1]:
+                    hook(var)
 
 
 def _call_region(region, entry, T, I, buf, metas, plan) -> None:

@@ -151,7 +151,8 @@ def captured_grads(plan: Plan, nodes, buf, ctx: "CallContext") -> list:
     runs that node's tensor pre-hooks and retains_grad hooks on the captured grad
     (engine.cpp's evaluate_function), so a leaf's ``register_hook`` changes what grad() returns."""
     captured = [None if s is None else buf[s] for s in plan.target_slots]
-    if plan.capture_only and ctx.hooked:
+    # (without the native helper a leaf's hooks are not among the walk's: they are read here)
+    if plan.capture_only and (ctx.hooked or native.module() is None):
         _capture_hooks(plan, nodes, buf, captured, ctx.hooked)
     return captured
 
@@ -160,7 +161,7 @@ def _capture_hooks(plan: Plan, nodes, buf, captured: list, hooked: dict) -> None
     nat = native.module()
     by_node: dict = {}
     for k, i, nr in plan.capture_only:
-        if hooked.get(i):
+        if hooked.get(i) or (nat is None and plan.infos[i].is_acc and hooks.leaf_hooks(nodes[i].variable)[0]):
             by_node.setdefault(i, []).append((k, nr))
     for i, ks in by_node.items():
         info = plan.infos[i]

@@ -620,3 +620,17 @@ def test_a_break_found_during_a_call_leaves_the_plan_unchanged(monkeypatch):
     torch.testing.assert_close(rt.grad(loss(), x, backend="aot_eager")[0], want)
     assert next(iter(api._PLANS.values())) is second and len(built) == 1
     assert rt.stats()["graph_breaks"] == 1  # not found again
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["first", "create_graph"])
+@pytest.mark.parametrize("ep", ["Tensor.backward", "autograd.grad", "rt.grad"])
+@pytest.mark.parametrize("feature", ["leaf tensor hook", "post-accumulate-grad hook", "multi-grad hook all",
+                                     "multi-grad hook any", "non-leaf hook + retain_grad"])
+def test_matches_eager_without_the_native_helper(feature, ep, create_graph, monkeypatch):
+    """Without the native helper the walk sees no leaf hooks; the sinks and captures read them."""
+    from vjpgen.runtime import native
+
+    monkeypatch.setattr(native, "module", lambda: None)
+    rt.clear_cache()
+    s = _compare(FEATURES[feature], ep, "aot_eager", create_graph)
+    assert s["backward_calls"] >= 1
