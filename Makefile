@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]' 'torch==$(DEV_TORCH)'
-	$(PY) -c 'from vjpgen.runtime.native import main; main()'
+	$(PY) -m vjpgen native
 	touch $(STAMP)
 
 generate: $(STAMP)
@@ -60,7 +60,7 @@ tt-venv:
 
 test-torch: tt-venv
 	$(TT_PY) -m tests.release_check $(RELEASE_CHECK_ARGS)
-	$(TT_PY) -m vjpgen.runtime.demo
+	$(TT_PY) -m examples.demo
 
 # make port-start TORCH=2.16.0: start porting a new release (docs/releases.md): its throwaway venv,
 # the new and changed formulas and the new and re-signatured helpers since the last ported release
@@ -70,10 +70,10 @@ port-start: tt-venv
 	$(TT_PY) -m tests.release_check $(RELEASE_CHECK_ARGS)
 
 demo: $(STAMP) generate
-	$(PY) -m vjpgen.runtime.demo
+	$(PY) -m examples.demo
 
 demo-ddp: $(STAMP) generate
-	$(PY) -m vjpgen.runtime.demo_ddp
+	$(PY) -m examples.demo_ddp
 
 coverage: $(STAMP)
 	$(PY) -m tests.conformance --out coverage --compiled-autograd --edges --edge-max-samples 2 --higher-order

@@ -58,7 +58,7 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT / "bench"))  # bench/smoke.py
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # bench/smoke.py; examples/ and tools/
 
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # cold Inductor caches for first-step times
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="vjpgen-bench-inductor-")
@@ -74,9 +74,12 @@ from torch.utils import benchmark  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import vjpgen.runtime as rt  # noqa: E402
-from vjpgen.runtime import api as rt_api, demo, engine as rt_engine, fastpath as rt_fastpath  # noqa: E402
-from vjpgen.runtime import hooks as rt_hooks, leaves as rt_leaves, native as rt_native, walk as rt_walk  # noqa: E402
-from vjpgen.runtime.memory import peak_backward_bytes  # noqa: E402
+from vjpgen import native as rt_native  # noqa: E402
+from vjpgen.runtime import api as rt_api, engine as rt_engine, fastpath as rt_fastpath  # noqa: E402
+from vjpgen.runtime import hooks as rt_hooks, leaves as rt_leaves, walk as rt_walk  # noqa: E402
+
+from examples import demo  # noqa: E402
+from tools.memory import peak_backward_bytes  # noqa: E402
 
 METHODS = ["eager", "vjpgen", "compiled autograd", "torch.compile"]
 # the backend of every compiler in the run (vjpgen, compiled autograd, torch.compile); --smoke

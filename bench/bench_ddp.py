@@ -27,7 +27,7 @@ def _methods(backend, model_name="transformer"):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import vjpgen.runtime as rt
-    from vjpgen.runtime.demo import MODELS
+    from examples.demo import MODELS
 
     def ca_ctx():
         from torch._dynamo import compiled_autograd
@@ -103,14 +103,14 @@ def _rank(rank, world_size, rounds, per_turn, backend, model="transformer"):
 
 def main(argv=None) -> int:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from vjpgen.runtime import ranks
+    from tools import ranks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps-per-turn", type=int, default=5)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--timeout", type=float, default=900.0)
-    ap.add_argument("--model", default="transformer", help="a model of vjpgen.runtime.demo.MODELS")
+    ap.add_argument("--model", default="transformer", help="a model of examples.demo.MODELS")
     ap.add_argument("--smoke", action="store_true",
                     help="1 round of 1 step, aot_eager, results to a temporary folder (bench/smoke.py)")
     a = ap.parse_args(argv)

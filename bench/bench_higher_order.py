@@ -3,7 +3,7 @@
 ``python bench/bench_higher_order.py [--backend inductor] [--reps N] [--threads T]``
 ``python bench/bench_higher_order.py --smoke``  (tiny sizes, aot_eager, seconds; writes nothing)
 
-Workloads (:mod:`vjpgen.runtime.demo_higher_order`, sizes fixed there and printed in the table):
+Workloads (:mod:`examples.demo_higher_order`, sizes fixed there and printed in the table):
 a force field (energy and forces of ``ATOMS`` atoms, loss on both), a WGAN-GP critic step, a
 1-D Poisson PINN (``u_xx`` by two ``grad(create_graph=True)`` calls). Per workload, one training
 step (forward, the create_graph grads, the loss's backward to the weights) timed as the median of
@@ -17,7 +17,7 @@ step (forward, the create_graph grads, the loss's backward to the weights) timed
 * JAX (``jax.jit(jax.grad(loss))`` of the same force field) when ``jax`` is importable.
 
 Also: peak memory of the step (CPU: torch.profiler's allocations replayed, see
-:mod:`vjpgen.runtime.memory`), and where each step's time goes (the create_graph ``grad`` calls,
+:mod:`tools.memory`), and where each step's time goes (the create_graph ``grad`` calls,
 the ``backward``, and the rest: the forward and the loss, eager in both), which is also the share
 of eager's step that vjpgen leaves to eager.
 Results go to ``bench/results/higher_order.md`` (not with ``--smoke``).
@@ -33,11 +33,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/ and tools/
 
-import vjpgen.runtime as rt
-from vjpgen.runtime import demo_higher_order as W
-from vjpgen.runtime.memory import peak_backward_bytes
+import torch  # noqa: E402
+
+import vjpgen.runtime as rt  # noqa: E402
+from examples import demo_higher_order as W  # noqa: E402
+from tools.memory import peak_backward_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "higher_order.md"
 

@@ -16,7 +16,7 @@ library. Per model, in one run:
   vjpgen and torch.compile timed in interleaved rounds, each method's turn a
   ``torch.utils.benchmark`` blocked_autorange; median over all blocks, with the 25th–75th
   percentile spread;
-* peak memory allocated during one backward (``vjpgen.runtime.memory.peak_backward_bytes``);
+* peak memory allocated during one backward (``tools.memory.peak_backward_bytes``);
 * vjpgen's per-call work: its backward's time outside the compiled graphs, from bench_backward's
   stage timers (walk, gather of saved values, guards, release, leaf sinks, rest of the call).
 
@@ -65,7 +65,7 @@ from torch.utils import benchmark  # noqa: E402
 
 import vjpgen.runtime as rt  # noqa: E402
 from vjpgen.runtime import api as rt_api  # noqa: E402
-from vjpgen.runtime.memory import peak_backward_bytes  # noqa: E402
+from tools.memory import peak_backward_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("eager", "vjpgen", "torch.compile")

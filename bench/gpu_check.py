@@ -8,10 +8,10 @@ inside ``--budget`` seconds (default 390: with the machine's start-up, under 8 m
 
 1. versions: torch, CUDA, Triton, vjpgen importing; then the first CUDA call. Without a CUDA
    device the check stops here with one line and exit status 2.
-2. the demo on CUDA (``python -m vjpgen.runtime.demo --device cuda``): Inductor's Triton kernels,
+2. the demo on CUDA (``python -m examples.demo --device cuda``): Inductor's Triton kernels,
    vjpgen's grads against eager's;
 3. a CUDA slice of the conformance harness: generated kernels against the live C++ node on CUDA
-   tensors (``vjpgen.runtime.verify.check_node``, OpInfo samples of :data:`CONFORMANCE_OPS` in
+   tensors (``vjpgen.codegen.verify.check_node``, OpInfo samples of :data:`CONFORMANCE_OPS` in
    float32 on ``cuda``);
 4. the real-library bench models on CUDA (bench/bench_models.py: GPT-2, LLaMA-style, ViT,
    ResNet-18 and channels_last) vs eager and torch.compile, until the budget is spent; the models
@@ -57,7 +57,7 @@ def conformance_slice(max_samples: int = 2, device: str = "cuda") -> dict:
     import torch
     from torch.testing._internal.common_methods_invocations import op_db
 
-    from vjpgen.runtime import verify
+    from vjpgen.codegen import verify
 
     gen = torch.Generator(device=device).manual_seed(0)
     by_name = {}
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     steps = {}
 
     log("demo on CUDA")
-    steps["demo"] = _run([py, "-m", "vjpgen.runtime.demo", "--device", "cuda", "--steps", "3",
+    steps["demo"] = _run([py, "-m", "examples.demo", "--device", "cuda", "--steps", "3",
                           "--models", "mlp,cnn,transformer", "--ca-backend", "none"], min(150, left() - 200), env)
     log(f"demo: rc {steps['demo']['rc']} ({steps['demo']['seconds']:.0f}s)")
 

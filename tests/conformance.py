@@ -15,7 +15,7 @@ rank-deficient and identity matrices), also in complex64, float16 and bfloat16, 
 ``python -m tests.conformance --out coverage [--edges]`` writes ``coverage/REPORT.md`` and
 ``coverage/report.json`` (the edge run as its own section); the test suite runs :func:`run` over
 float64 and :func:`run_edges` over a fast slice. The walk and the per-node check live in
-:mod:`vjpgen.runtime.verify`, which also runs them after a package is generated for another torch
+:mod:`vjpgen.codegen.verify`, which also runs them after a package is generated for another torch
 release.
 
 ``--compiled-autograd`` adds a third mode (:func:`run_compiled_autograd`): each sample's whole
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from vjpgen.runtime.verify import (  # noqa: F401 - the harness core, shared with the runtime's verify pass
+from vjpgen.codegen.verify import (  # noqa: F401 - the harness core, shared with the runtime's verify pass
     DTYPES,
     INTENDED_DIFFERENCES,
     MISMATCHED,
@@ -54,7 +54,7 @@ from vjpgen.runtime.verify import (  # noqa: F401 - the harness core, shared wit
     sample_inputs,
     walk,
 )
-from vjpgen.runtime.verify import (  # noqa: F401 - the edge-value run, also the verify pass of an unported release
+from vjpgen.codegen.verify import (  # noqa: F401 - the edge-value run, also the verify pass of an unported release
     EDGE_DTYPES,
     EDGE_SKIP,
     EDGE_VARIANTS,
@@ -414,7 +414,7 @@ def summarize(results) -> dict:
     import importlib
 
     from vjpgen import generated
-    from vjpgen.runtime.versions import package_for_installed_torch
+    from vjpgen.codegen.versions import package_for_installed_torch
 
     served = package_for_installed_torch(generated.__name__, generated.TORCH_VERSION)  # another release's package
     MODULES = importlib.import_module(served).MODULES if served else generated.MODULES

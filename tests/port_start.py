@@ -31,12 +31,12 @@ def main(argv=None) -> int:
     ap.add_argument("--against", type=Path, default=None, help="a record to compare with (default: the ported one)")
     a = ap.parse_args(argv)
     from vjpgen.codegen.releases import diff, record
-    from vjpgen.runtime import versions
-    from vjpgen.runtime.helpers.registry import ENTRIES, RUNNING_TORCH
+    from vjpgen.codegen import versions
+    from vjpgen.codegen.environment import data_path
+    from vjpgen.helpers.registry import ENTRIES, RUNNING_TORCH
 
-    overlay = REPO / "derivatives.yaml"
-    now = record(overlay if overlay.exists() else None)
-    then = json.loads((a.against or versions.PORTED_RECORD).read_text())
+    now = record(data_path("derivatives.yaml"))
+    then = json.loads((a.against or versions.ported_record()).read_text())
     d = diff(now, then)
     missing = sorted(
         {h for n in d["new_formulas"] + d["changed_formulas"] for h in now["calls"].get(n, ())}

@@ -1,7 +1,7 @@
 """``make test-torch TORCH=<release>``'s checks, run inside a throwaway venv holding that torch.
 
 1. the package the runtime regenerates for the installed torch (its cache, see
-   ``vjpgen.runtime.versions``), with the quick conformance pass that follows it;
+   ``vjpgen.codegen.versions``), with the quick conformance pass that follows it;
 2. how many of its formulas translated;
 3. the op_db conformance (CPU, float64, every sample) against the live nodes, through the runtime;
 4. the edge-value conformance (``tests.conformance.run_edges``: zeros, ties, integers, halves,
@@ -40,8 +40,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from vjpgen import generated
     from vjpgen.codegen.environment import installed_torch_version
-    from vjpgen.runtime import native, versions
-    from vjpgen.runtime.verify import ALLOWED, MISMATCHED, RAISED
+    from vjpgen import native, versions
+    from vjpgen.codegen.verify import ALLOWED, MISMATCHED, RAISED
 
     from tests.conformance import run, run_compiled_autograd, run_edges, summarize
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conformance import MISMATCHED, OVERRIDDEN, PASSED, RAISED, run, run_compiled_autograd, summarize
-from vjpgen.runtime.verify import ALLOWED
+from vjpgen.codegen.verify import ALLOWED
 
 
 @pytest.fixture(scope="module")

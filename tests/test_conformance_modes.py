@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conformance import MISMATCHED, PASSED, RAISED, summarize
-from vjpgen.runtime.verify import ALLOWED
+from vjpgen.codegen.verify import ALLOWED
 
 
 # --------------------------------------------------------------------------------------------

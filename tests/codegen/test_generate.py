@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 
 from vjpgen.codegen.generate import check, generate
+from vjpgen.codegen.environment import data_path
 from vjpgen.codegen.load import default_inputs
 
 REPO = Path(__file__).resolve().parents[2]
-GENERATED = REPO / "generated"
+GENERATED = REPO / "src" / "vjpgen" / "generated"
 
 
 @pytest.fixture(scope="module")
 def inputs():
-    return default_inputs(REPO / "derivatives.yaml")
+    return default_inputs(data_path("derivatives.yaml"))
 
 
 def test_every_node_class_has_a_module(inputs):
@@ -85,8 +86,8 @@ def test_other_torch_release_gets_a_matching_package(tmp_path, monkeypatch):
     import functools
     import json
 
-    import vjpgen.runtime.verify as verify
-    import vjpgen.runtime.versions as versions
+    import vjpgen.codegen.verify as verify
+    import vjpgen.codegen.versions as versions
 
     monkeypatch.setenv("VJPGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(versions, "installed_torch_version", lambda: "2.14.99")
@@ -110,7 +111,7 @@ def test_other_torch_release_gets_a_matching_package(tmp_path, monkeypatch):
 
 def test_other_torch_release_without_yaml_names_the_command(tmp_path, monkeypatch):
     import vjpgen.codegen.generate as gen
-    import vjpgen.runtime.versions as versions
+    import vjpgen.codegen.versions as versions
     from vjpgen.codegen.errors import GenerateError
 
     def broken(*a, **k):
@@ -128,7 +129,7 @@ def test_other_torch_release_without_yaml_names_the_command(tmp_path, monkeypatc
 
 
 def test_torch_outside_the_supported_range_runs_every_node_live(tmp_path, monkeypatch):
-    import vjpgen.runtime.versions as versions
+    import vjpgen.codegen.versions as versions
 
     monkeypatch.setenv("VJPGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(versions, "installed_torch_version", lambda: "2.10.0")

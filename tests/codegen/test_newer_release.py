@@ -1,4 +1,4 @@
-"""The rule for a torch release newer than the last ported one (``vjpgen.runtime.versions``),
+"""The rule for a torch release newer than the last ported one (``vjpgen.codegen.versions``),
 with a fake "next" release: the installed torch's version monkeypatched to 2.16.0 and a fake
 record of the last ported release in which one formula changed, one class is new and one helper
 was re-signatured. Nothing is downloaded."""
@@ -18,13 +18,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_newer_release_compiles_only_verified_unchanged_formulas(tmp_path, monkeypatch, caplog):
-    import vjpgen.runtime.verify as verify
-    import vjpgen.runtime.versions as versions
+    import vjpgen.codegen.verify as verify
+    import vjpgen.codegen.versions as versions
+    from vjpgen.codegen.environment import data_path
     from vjpgen.codegen.releases import record
 
     # the last ported release as the fake next one sees it: MulBackward0's entry differed,
     # SinBackward0 did not exist, clamp_backward had another declaration
-    ported = record(REPO / "derivatives.yaml")
+    ported = record(data_path("derivatives.yaml"))
     ported["torch"] = "2.15.0"
     ported["formulas"]["MulBackward0"] = "0" * 64
     del ported["formulas"]["SinBackward0"]
@@ -34,7 +35,7 @@ def test_a_newer_release_compiles_only_verified_unchanged_formulas(tmp_path, mon
 
     monkeypatch.setenv("VJPGEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(versions, "installed_torch_version", lambda: "2.16.0")
-    monkeypatch.setattr(versions, "PORTED_RECORD", fake)
+    monkeypatch.setattr(versions, "ported_record", lambda: fake)
     ops = ["mul", "sin", "clamp", "add", "exp"]
     monkeypatch.setattr(verify, "verify_package", functools.partial(verify.verify_package, op_names=ops))
     versions.package_for_installed_torch.cache_clear()
@@ -75,18 +76,18 @@ def test_a_newer_release_compiles_only_verified_unchanged_formulas(tmp_path, mon
 
 
 def test_release_ranges():
-    from vjpgen.runtime import versions
+    from vjpgen.codegen import versions
 
     assert versions.is_supported("2.11.0") and versions.is_supported("2.15.0+cu130")
     assert not versions.is_supported("2.16.0") and versions.is_newer_than_ported("2.16.0")
     assert not versions.is_supported("2.10.2") and not versions.is_newer_than_ported("2.10.2")
-    assert json.loads(versions.PORTED_RECORD.read_text())["torch"] == versions.LAST_PORTED
+    assert json.loads(versions.ported_record().read_text())["torch"] == versions.LAST_PORTED
 
 
 def test_pyproject_admits_every_release_from_the_oldest_ported_one_without_upper_bound():
     import re
 
-    from vjpgen.runtime import versions
+    from vjpgen.codegen import versions
 
     text = (REPO / "pyproject.toml").read_text()
     (req,) = re.findall(r'"torch([<>=!~][^"]*)"', text)  # the torch requirement, not torchvision's

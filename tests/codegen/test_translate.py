@@ -12,7 +12,7 @@ import torch
 from vjpgen.codegen.load import default_inputs
 from vjpgen.codegen.natives import kwarg_names_factory
 from vjpgen.codegen.translate import Scope, TranslationError, translate
-from vjpgen.runtime.helpers import HELPERS
+from vjpgen.helpers import HELPERS
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,10 +104,10 @@ def test_errors_name_the_construct(formula, message):
 def test_static_helper_scan_matches_the_registry():
     from pathlib import Path
 
-    import vjpgen.runtime.helpers as helpers
+    import vjpgen.helpers as helpers
     from vjpgen.codegen.torch_names import helper_names
 
-    from vjpgen.runtime.helpers.registry import ENTRIES
+    from vjpgen.helpers.registry import ENTRIES
 
     # every registered name, also those registered only for other releases (bessel_j1_backward: >=2.15)
     assert helper_names(Path(helpers.__file__).parent) == frozenset(ENTRIES)

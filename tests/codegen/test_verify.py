@@ -9,14 +9,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from vjpgen.runtime import verify
+from vjpgen.codegen import verify
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_mismatching_class_is_marked_live_only(tmp_path, monkeypatch):
     pkg_dir = tmp_path / "vjpgen_verify_probe"
-    shutil.copytree(REPO / "generated", pkg_dir)
+    shutil.copytree(REPO / "src" / "vjpgen" / "generated", pkg_dir)
     mod = pkg_dir / "mul_backward0.py"
     # a stale formula: every grad MulBackward0 returns comes out doubled
     mod.write_text(

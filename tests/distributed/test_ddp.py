@@ -4,7 +4,7 @@ optimizer steps), with the reducer's C++ hooks run live and the rest compiled.""
 import pytest
 import torch
 
-from vjpgen.runtime import ranks
+from tools import ranks
 from .ddp_cases import CASES, run_cases
 
 pytestmark = pytest.mark.timeout(240)
@@ -42,7 +42,8 @@ def test_ddp_without_native_helper_goes_to_torch_autograd(monkeypatch):
     """Without the native helper C++ hooks cannot be seen: an initialized torch.distributed sends
     the backward to torch.autograd (counted), never a compiled backward that skips them."""
     import vjpgen.runtime as rt
-    from vjpgen.runtime import graph_task, native
+    from vjpgen.runtime import graph_task
+    from vjpgen import native
 
     monkeypatch.setattr(native, "module", lambda: None)
     monkeypatch.setattr(graph_task, "distributed_initialized", lambda: True)

@@ -4,7 +4,7 @@ with nested fully_shard and reshard_after_forward True and False."""
 import pytest
 import torch
 
-from vjpgen.runtime import ranks
+from tools import ranks
 from .fsdp_cases import run_both
 
 pytestmark = pytest.mark.timeout(240)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from vjpgen.runtime import ranks
+from tools import ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from vjpgen.runtime.state import signed
+from vjpgen.helpers.state import signed
 
 D = torch.float64
 
@@ -56,7 +56,7 @@ def rnd(t):
 
 def saved(node, name):
     """``node._saved_<name>``, with torch's unsigned readback of negative int64 values undone
-    (``-1`` reads as ``2**64 - 1``) by ``vjpgen.runtime.state.signed``: ints and tuples/lists
+    (``-1`` reads as ``2**64 - 1``) by ``vjpgen.helpers.state.signed``: ints and tuples/lists
     of ints are fixed, anything else (tensors, bools, floats, None, SymInts) is returned as is."""
     return signed(getattr(node, "_saved_" + name))
 

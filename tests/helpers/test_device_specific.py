@@ -12,8 +12,8 @@ from torch.testing import assert_close
 
 from tests.helpers.live import live, saved
 from tests.helpers.live import seeded  # noqa: F401 (autouse fixture)
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers import device_specific as DS
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers import device_specific as DS
 
 D = torch.float64
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers import nn as NN
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers import nn as NN
 
 D, C = torch.float64, torch.complex128
 

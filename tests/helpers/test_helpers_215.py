@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from vjpgen.runtime.helpers.registry import RUNNING_TORCH, helper_for
+from vjpgen.helpers.registry import RUNNING_TORCH, helper_for
 
 D = torch.float64
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.helpers.live import check_grads_exact, leaf, live, saved
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers.indexing import (
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers.indexing import (
     embedding_dense_double_backward_symint,
     index_backward,
     index_reduce_backward,

@@ -10,8 +10,8 @@ from torch.testing import assert_close
 
 from tests.helpers.live import check_grads, leaf, live, rnd, saved
 from tests.helpers.live import seeded  # noqa: F401 (autouse fixture)
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers import linalg as L
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers import linalg as L
 
 D = torch.float64
 C = torch.complex128

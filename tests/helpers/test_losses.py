@@ -8,8 +8,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import assert_close
 
 from tests.helpers.live import leaf, live_from_output, saved
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers import losses as L
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers import losses as L
 
 D = torch.float64
 REDUCTIONS = [0, 1, 2]  # none, mean, sum

@@ -8,8 +8,8 @@ from torch.testing import assert_close
 
 from tests.helpers.live import saved
 from tests.helpers.live import seeded_quiet  # noqa: F401 (autouse fixture)
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers import nested as NT
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers import nested as NT
 
 D = torch.float64
 

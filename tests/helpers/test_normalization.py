@@ -11,8 +11,8 @@ from torch.testing import assert_close
 
 from tests.helpers.live import check_grads, live, rnd, saved
 from tests.helpers.live import seeded  # noqa: F401 (autouse fixture)
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers import normalization as NM
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers import normalization as NM
 
 D = torch.float64
 

@@ -10,8 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import assert_close
 
 from tests.helpers.live import as_tuple, check_grad, leaf, live_from_output, saved
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers import reductions as R
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers import reductions as R
 
 D = torch.float64
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers import pointwise as P
-from vjpgen.runtime.helpers import registry as R
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers import pointwise as P
+from vjpgen.helpers import registry as R
 
 D = torch.float64
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.helpers.live import check_grads_exact, leaf, live, saved
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers.shape import (
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers.shape import (
     _to_copy_backward,
     as_strided_backward,
     as_strided_scatter_backward,
@@ -24,7 +24,7 @@ from vjpgen.runtime.helpers.shape import (
     stack_tensors_backward,
     unbind_backward,
 )
-from vjpgen.runtime.types import TensorGeometry, TensorOptions
+from vjpgen.helpers.types import TensorGeometry, TensorOptions
 
 D = torch.float64
 

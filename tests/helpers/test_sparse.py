@@ -8,8 +8,8 @@ from torch.testing import assert_close
 
 from tests.helpers.live import live, saved
 from tests.helpers.live import seeded_quiet  # noqa: F401 (autouse fixture)
-from vjpgen.runtime.helpers import HELPERS
-from vjpgen.runtime.helpers import sparse as SP
+from vjpgen.helpers import HELPERS
+from vjpgen.helpers import sparse as SP
 
 D = torch.float64
 

@@ -55,13 +55,13 @@ def _fresh():
 
 @pytest.fixture
 def demo_peak_bytes():
-    """``measure(make)``: for a demo model maker (``vjpgen.runtime.demo.make_*``), the peak backward
+    """``measure(make)``: for a demo model maker (``examples.demo.make_*``), the peak backward
     bytes of eager autograd and of vjpgen under Inductor, as the bench measures them (fresh graph,
     no retain_graph, the same dropout mask each time), after one backward that compiles. Asserts
     the measured backward's grads equal eager's."""
     import torch
 
-    from vjpgen.runtime.memory import peak_backward_bytes
+    from tools.memory import peak_backward_bytes
 
     def measure(make):
         model, batch, loss_fn = make()

@@ -14,8 +14,9 @@ from torch._dynamo import compiled_autograd as ca
 
 import vjpgen.runtime as rt
 from vjpgen.generated import get_module
-from vjpgen.runtime import ca_kernels, native
-from vjpgen.runtime.verify import walk
+from vjpgen.runtime import ca_kernels
+from vjpgen import native
+from vjpgen.codegen.verify import walk
 
 
 def _eager_compiler(gm):
@@ -204,7 +205,7 @@ def test_switch_change_is_not_served_a_stale_graph():
 def test_changing_batch_size_under_dynamic_compiled_autograd():
     """Compiled autograd's default (dynamic sizes): the graph traced once serves other batch
     sizes; vjpgen's kernels, traced by AOTAutograd with its own guards, keep eager's grads."""
-    from vjpgen.runtime import demo
+    from examples import demo
 
     model, batch, loss_fn = demo.MODELS["mlp"]()
     params = list(model.parameters())
@@ -221,7 +222,7 @@ def test_changing_batch_size_under_dynamic_compiled_autograd():
 
 def test_demo_models_under_compiled_autograd():
     """`make demo`'s compiled-autograd part: mlp, cnn and transformer, grads equal eager's."""
-    from vjpgen.runtime import demo
+    from examples import demo
 
     for name in ("mlp", "cnn", "transformer"):
         diff, gm, ks = demo.train_compiled_autograd(name, steps=2, backend="eager")

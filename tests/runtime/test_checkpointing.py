@@ -11,8 +11,9 @@ import torch.nn as nn
 from torch.utils import checkpoint as cp
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import api, graph_task, native
-from vjpgen.runtime.memory import peak_backward_bytes
+from vjpgen.runtime import api, graph_task
+from vjpgen import native
+from tools.memory import peak_backward_bytes
 
 needs_native = pytest.mark.skipif(native.module() is None, reason="the native helper is not built")
 

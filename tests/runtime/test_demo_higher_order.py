@@ -3,7 +3,7 @@ graph break, no eager fallback (stats())."""
 
 import pytest
 
-from vjpgen.runtime import demo_higher_order as demo
+from examples import demo_higher_order as demo
 
 
 @pytest.mark.parametrize("name,orders", [("forcefield", {1, 2}), ("wgan_gp", {1, 2}), ("pinn", {1, 2, 3})])

@@ -7,7 +7,9 @@ at 1.77x eager's backward memory, with the extern kernel at or below eager's.
 import pytest
 import torch
 
-from vjpgen.runtime import demo, extern_ops
+from vjpgen.runtime import extern_ops
+
+from examples import demo
 
 MPB = torch.ops.aten.max_pool2d_with_indices_backward.default
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import cache, demo, engine, fastpath
+from vjpgen.runtime import cache, engine, fastpath
+from examples import demo
 from vjpgen.runtime import plan as plan_mod
 
 BK = "aot_eager"

@@ -259,7 +259,7 @@ def test_dynamic_sizes_through_the_compiled_vjp():
     """Order 2 through torch's engine (the autograd.Function's compiled vjp) over atom counts:
     eager's values, at most two compiles per order (static, then dynamic, guarded by the shapes'
     guards including those the vjp's trace added)."""
-    from vjpgen.runtime import demo_higher_order as W
+    from examples import demo_higher_order as W
 
     params, step, data = W.make_forcefield(rbf=4, hidden=8)
     energy = step.energy

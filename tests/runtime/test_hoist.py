@@ -6,7 +6,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import capture, demo
+from vjpgen.runtime import capture
+from examples import demo
 
 aten = torch.ops.aten
 

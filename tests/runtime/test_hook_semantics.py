@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import native
+from vjpgen import native
 
 pytestmark = pytest.mark.skipif(native.module() is None, reason="engine hook semantics need the native helper")
 

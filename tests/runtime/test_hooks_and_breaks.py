@@ -3,7 +3,7 @@
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import native
+from vjpgen import native
 
 BK = "aot_eager"
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import capture, engine, leaves, native, walk
+from vjpgen.runtime import capture, engine, leaves, walk
+from vjpgen import native
 
 BK = "aot_eager"
 
@@ -235,7 +236,7 @@ def test_native_walk_metadata_matches_torch(name):
     """The native walk's input metadata equal torch's _InputMetadata attribute by attribute,
     also for float64 / int inputs, expanded grads and an unused (invalid) input."""
     _require_native()
-    from vjpgen.runtime import demo
+    from examples import demo
 
     model, batch, loss_fn = demo.MODELS[name]("cpu")
     roots = [loss_fn(model, *batch(0))]

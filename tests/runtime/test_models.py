@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import demo
+from examples import demo
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from vjpgen.runtime import native
+from vjpgen import native
 
 
 def test_key_is_source_and_torch_build_only(monkeypatch):
@@ -43,7 +43,7 @@ def test_a_finished_build_is_imported_without_compiling(tmp_path):
         def no_build(*a, **k):
             raise AssertionError("compiled again")
         ce.load = no_build
-        from vjpgen.runtime import native
+        from vjpgen import native
         m = native.module()
         assert m is not None and hasattr(m, "release"), m
         print(m.__file__)

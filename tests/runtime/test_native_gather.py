@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import demo, fastpath, native
+from vjpgen.runtime import fastpath
+from examples import demo
+from vjpgen import native
 from vjpgen.runtime.cache import Compiled, find
 
 BK = "aot_eager"

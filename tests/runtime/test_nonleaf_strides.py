@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import native
+from vjpgen import native
 
 needs_native = pytest.mark.skipif(native.module() is None, reason="the native helper is not built")
 

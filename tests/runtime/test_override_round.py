@@ -108,9 +108,12 @@ def test_bad_selections_say_what_to_do(tmp_path):
 
 
 def test_overlay_needs_an_out_folder(capsys):
-    from vjpgen.__main__ import REPO, main
+    from pathlib import Path
 
-    assert main(["generate", "--overlay", str(REPO / "examples" / "ste_round.yaml")]) == 2
+    from vjpgen.__main__ import main
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "ste_round.yaml"
+    assert main(["generate", "--overlay", str(example)]) == 2
     assert "pass --out DIR" in capsys.readouterr().err
 
 

@@ -296,7 +296,7 @@ def test_demo_gcn_trains_with_eager_grads():
     """The demo's two-layer GCN on a sparse adjacency: eager's grads over SGD steps, the two sparse
     products live (two graph breaks, found on the first call), the dense rest compiled and reused.
     """
-    from vjpgen.runtime import demo
+    from examples import demo
 
     model, batch, loss_fn = demo.MODELS["gcn"]()
     params = list(model.parameters())
@@ -374,7 +374,7 @@ def test_more_sparse_ops(op):
 @pytest.mark.parametrize("op", ["transpose", "sparse_addmm"])
 def test_without_native_helper(monkeypatch, op):
     """The Python walk, release and leaf accumulation (no native helper) with sparse grads."""
-    from vjpgen.runtime import native
+    from vjpgen import native
 
     monkeypatch.setitem(native._state, "module", None)
     assert native.module() is None

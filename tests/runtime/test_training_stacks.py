@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import api, native
+from vjpgen.runtime import api
+from vjpgen import native
 from vjpgen.runtime import plan as plan_mod
 
 BK = "aot_eager"

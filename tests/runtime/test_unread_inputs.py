@@ -10,7 +10,8 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import capture, demo, engine
+from vjpgen.runtime import capture, engine
+from examples import demo
 
 CALL = """
 class Runner:

@@ -1,0 +1,151 @@
+"""Which generated kernels the runtime and compiled autograd use: the default package
+(``vjpgen.generated``, exactly torch's formulas) or an override package of the user's, consulted
+first for the classes it defines.
+
+An override package comes from ``python -m vjpgen generate --overlay FILE --out DIR`` (only the
+classes FILE defines) and is selected with :class:`use_kernels` — a call or a context manager, like
+``torch.set_grad_enabled``. Both vjpgen's runtime (plans are cached per package: see
+:func:`token`) and PyTorch's compiled autograd with
+:func:`vjpgen.runtime.set_compiled_autograd_kernels` honour the selection.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+_lock = threading.Lock()
+_override = None  # the selected override package (a module), or None
+_token = 0  # bumped on every change of selection; part of every plan's cache key
+_listeners: list = []  # called after a change (compiled autograd clears its graph cache)
+_by_path: dict = {}  # resolved path -> imported override package
+
+
+def _default_get_module(name: str):
+    from vjpgen.generated import get_module
+
+    return get_module(name)
+
+
+# Node classes whose generated formula is known to differ from torch's on some releases (found by
+# the edge-value run of that release's check) and that run as torch's live node there until ported:
+# class -> (releases, why). Never a silently wrong gradient while a port is unfinished.
+# Empty now: LinalgPolarBackward0 and LinalgMatrixSqrthBackward0 (torch >= 2.14) were listed until
+# their helpers were ported to torch's clamped eigendecomposition (2.15 and 2.14.1 edge-value runs).
+KNOWN_DIFFERENT: dict[str, tuple[str, str]] = {}
+_known_live = None
+
+
+def known_different() -> dict:
+    """The classes of :data:`KNOWN_DIFFERENT` that apply to the installed torch: class -> why."""
+    global _known_live
+    if _known_live is None:
+        from vjpgen.codegen.environment import installed_torch_version
+        from vjpgen.helpers.registry import VersionRange, parse_version
+
+        v = parse_version(installed_torch_version())
+        _known_live = {n: why for n, (rng, why) in KNOWN_DIFFERENT.items() if v in VersionRange.parse(rng)}
+    return _known_live
+
+
+def get_module(name: str):
+    """The module for backward node class ``name``: the override package's when it defines the
+    class, else the default package's (None when neither has one, and for a class of
+    :data:`KNOWN_DIFFERENT` on the releases it names: that node runs live)."""
+    ov = _override
+    if ov is not None:
+        m = ov.get_module(name)
+        if m is not None:
+            return m
+    if name in known_different():
+        return None
+    return _default_get_module(name)
+
+
+def token() -> int:
+    """Changes whenever the selection changes: caches keyed by it never reuse another package's kernel."""
+    return _token
+
+
+def current():
+    """The selected override package's folder (a Path), or None for the default package."""
+    return None if _override is None else Path(_override.__file__).parent
+
+
+def on_change(fn) -> None:
+    """Call ``fn()`` after every change of the selection."""
+    _listeners.append(fn)
+
+
+def _load(path) -> object:
+    p = Path(path).resolve()
+    init = p / "__init__.py"
+    if not init.is_file():
+        raise ValueError(
+            f"vjpgen: use_kernels({str(path)!r}): no generated package there; make one with "
+            f"`python -m vjpgen generate --overlay FILE --out {path}`"
+        )
+    pkg = _by_path.get(p)
+    if pkg is not None:
+        return pkg
+    name = f"vjpgen_overrides_{len(_by_path)}"
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(p)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pkg
+    try:  # a package that fails to load or to qualify leaves nothing behind in sys.modules
+        spec.loader.exec_module(pkg)
+        _check(pkg, path)
+    except Exception:
+        del sys.modules[name]
+        raise
+    _by_path[p] = pkg
+    return pkg
+
+
+def _check(pkg, path) -> None:
+    """Raise ValueError unless ``pkg`` is an override package generated for the installed torch."""
+    from vjpgen.codegen.environment import installed_torch_version
+
+    regen = f"regenerate it with `python -m vjpgen generate --overlay FILE --out {path}`"
+    if not getattr(pkg, "OVERRIDES", False):
+        raise ValueError(f"vjpgen: use_kernels({str(path)!r}): not an override package (generated without --overlay); {regen}")
+    version = installed_torch_version()
+    if pkg.TORCH_VERSION != version:
+        raise ValueError(
+            f"vjpgen: use_kernels({str(path)!r}): generated for torch {pkg.TORCH_VERSION}, the installed torch is "
+            f"{version}; {regen}"
+        )
+
+
+def _select(pkg) -> None:
+    global _override, _token
+    with _lock:
+        if pkg is _override:
+            return
+        _override = pkg
+        _token += 1
+    for fn in list(_listeners):
+        fn()
+
+
+class use_kernels:
+    """Select the kernels vjpgen runs: ``use_kernels("DIR")`` an override package made by
+    ``python -m vjpgen generate --overlay FILE --out DIR`` (its classes replace the default
+    package's, every other class keeps torch's formula); ``use_kernels(None)`` the default package.
+
+    A call changes the selection for the process; as a context manager it restores the previous one
+    on exit. Plans and compiled regions are cached per selection, and compiled autograd's graph cache
+    is cleared on a change, so no kernel of another selection is ever reused."""
+
+    def __init__(self, path=None) -> None:
+        self.prev = _override
+        _select(None if path is None else _load(path))
+
+    def __enter__(self) -> "use_kernels":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        _select(self.prev)
+        return False
