@@ -5,6 +5,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# the on-disk compile cache (vjpgen/runtime/disk_cache.py) is off in the tests, subprocesses
+# included: a test counts its own compiles; tests/runtime/test_disk_cache.py turns it on in a
+# folder of its own
+os.environ.setdefault("VJPGEN_DISK_CACHE", "0")
+
 # `make test` runs the suite on two xdist workers (--dist loadfile, see the Makefile). The files
 # that take longest start first, so neither worker is left with one of them at the end; measured
 # with `pytest --durations`, in this order.
@@ -15,6 +20,7 @@ SLOW_FIRST = (
     "tests/test_conformance_modes.py",
     "tests/runtime/test_semantics_matrix.py",  # ~250 small cases and a few Inductor ones
     "tests/runtime/test_capture_direct.py",
+    "tests/runtime/test_disk_cache.py",  # two processes, Inductor compiles in the first
     "tests/codegen/test_generate.py",
 )
 

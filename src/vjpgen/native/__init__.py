@@ -67,14 +67,17 @@ def _load():
             tmp = build / f".{_FIELDS_HEADER}.{os.getpid()}"
             tmp.write_bytes(fields)
             os.replace(tmp, hdr)
-        m = load(
-            name=_NAME,
-            sources=[str(src)],
-            build_directory=str(build),
-            extra_include_paths=[str(build)],
-            extra_cflags=["-O2"],
-            verbose=False,
-        )
+        from vjpgen import logs
+
+        with logs.progress("building the native helper (once per torch release)"):
+            m = load(
+                name=_NAME,
+                sources=[str(src)],
+                build_directory=str(build),
+                extra_include_paths=[str(build)],
+                extra_cflags=["-O2"],
+                verbose=False,
+            )
         _mark_built(build, m)
         return m
     except Exception as e:  # no compiler, no headers: the Python fallback does the same, slower

@@ -257,7 +257,7 @@ def _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumula
         if isinstance(st, plan_mod.LiveStep):
             info = plan.infos[st.node]
             record_break(info.name, info.live[1])
-            log.debug("vjpgen: graph break: %s called live (%s)", info.name, info.live[1])
+            log.debug("vjpgen: graph break at %s: %s", info.name, info.live[1])
     log.debug(
         "vjpgen: new graph structure: %d nodes, %d steps, %d graph breaks",
         len(nodes), len(plan.steps), plan.n_breaks,

@@ -70,7 +70,7 @@ class Compiled:
 
     __slots__ = (
         "fn", "present", "guard", "guard_src", "gm", "dyn_ints", "n_tensors", "dynamic", "hits", "aliases", "keep",
-        "conform", "out_table",
+        "conform", "out_table", "from_disk",
     )
 
     def __init__(
@@ -94,6 +94,7 @@ class Compiled:
         # first call, then False (they matched) or True (convert them on every call)
         self.conform = None
         self.out_table = None  # engine._out_table: where each output goes (built on the first call)
+        self.from_disk = False  # loaded from the on-disk cache (disk_cache.py): gm is None then
 
     def args(self, T: list, I: list) -> list:
         """The argument list of :attr:`fn`: the tensors of ``T`` the graph reads, then the dynamic
@@ -110,11 +111,17 @@ class Compiled:
 
 def make_guard(shape_env, fakes, ivals):
     """Compile the ShapeEnv guards of a dynamic trace into ``guard(T + I) -> bool``."""
-    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-
     placeholders = list(fakes) + list(ivals)
     expr = shape_env.produce_guards_expression(placeholders, ignore_static=False)
-    if not expr:
+    return guard_from_expr(expr or "True")
+
+
+def guard_from_expr(expr: str):
+    """``(guard, expr)`` for a ShapeEnv guard expression over ``L['t<k>']`` (also how the on-disk
+    cache rebuilds an entry's guard)."""
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+    if expr == "True":
         return (lambda a: True), "True"
     body = _GUARD_ARG.sub(lambda m: f"a[{m.group(1)}]", expr)
     fn = eval(f"lambda a: {body}", dict(SYMPY_INTERP))

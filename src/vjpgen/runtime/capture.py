@@ -13,9 +13,12 @@ import logging
 import os
 import re
 import threading
+import time
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from .. import logs
 
 log = logging.getLogger("vjpgen")
 
@@ -385,7 +388,6 @@ def _direct(seen: dict, n_args: int):
     inputs reach the compiled code as they are (no dedupe, no synthetic bases), that mutates no
     input and whose outputs alias nothing (else AOT regenerates them), with no effect tokens or
     tensor subclasses. None otherwise (then the wrapped function is used)."""
-    from torch._C._dynamo.eval_frame import set_eval_frame
     from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
 
     code, meta = seen.get("code"), seen.get("meta")
@@ -406,6 +408,31 @@ def _direct(seen: dict, n_args: int):
     if not plain:
         return None
     source = getattr(code, "source_code", None) or ""
+    run = direct_call(call, source, n_args)
+    # the on-disk cache (disk_cache.py) can rebuild exactly this from the source: a module-level
+    # ``call`` of the module Inductor wrote, with no constants set on it afterwards
+    g = getattr(call, "__globals__", {})
+    if (
+        source and g.get("call") is call and not getattr(code, "constants", None)
+        and not getattr(code, "torchbind_constants", None) and _file_text(g.get("__file__")) == source
+    ):
+        run._vjpgen_source = source
+    return run
+
+
+def _file_text(path) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, TypeError):
+        return None
+
+
+def direct_call(call, source: str, n_args: int):
+    """Inductor's boxed ``call(args)``, called with dynamo's frame hook off, after letting go of the
+    inputs it never reads."""
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
     unread = unread_inputs(source, n_args)
     # the C++ wrapper's Python glue turns every non-tensor argument into a tensor: give it one
     stand_in = _STAND_IN if _CPP_MOVE.search(source) else None
@@ -529,8 +556,9 @@ def hoist_reductions(gm: torch.fx.GraphModule) -> int:
     return len(moved)
 
 
-def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
-    """Compile a traced graph into a *boxed* callable: ``fn(args: list) -> list``.
+def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str = "a backward graph"):
+    """Compile a traced graph into a *boxed* callable: ``fn(args: list) -> list``; logs one INFO
+    line with the graph's size and the seconds it took.
 
     The callee empties ``args`` before it runs (the calling convention of AOTAutograd's boxed
     functions and of compiled autograd), so the compiled code holds the only references to its
@@ -538,6 +566,28 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str):
     frees a node's saved tensors after the node runs. Inductor's size and stride asserts on the
     inputs are off: the region cache has checked them already (see :mod:`vjpgen.runtime.cache`).
     """
+    t0 = time.perf_counter()
+    fn = _compile_graph(gm, fake_args, backend)
+    log.info(
+        "vjpgen: compiled %s (%d aten ops, %d inputs) with %s in %.2fs",
+        label, sum(1 for n in gm.graph.nodes if n.op == "call_function"), len(fake_args), backend_name(backend),
+        time.perf_counter() - t0,
+    )
+    return fn
+
+
+def backend_name(backend) -> str:
+    return backend if isinstance(backend, str) else getattr(backend, "__name__", "a custom backend")
+
+
+def progress(region, backend, what: str = ""):
+    """The progress lines (:func:`vjpgen.logs.progress`) of tracing and compiling one region."""
+    return logs.progress(
+        f"compiling the backward of {len(region.nodes)} autograd nodes ({region.label}{what}) with {backend_name(backend)}"
+    )
+
+
+def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend):
     from torch._dynamo.utils import GmWrapper
 
     fake_args = list(fake_args)

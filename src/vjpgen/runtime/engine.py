@@ -21,14 +21,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import time
 
 import torch
 
-from . import capture, decide, fastpath
+from . import capture, decide, disk_cache, fastpath
 from .. import native
 from . import saved as _saved
-from .cache import Compiled, find, make_guard
+from .cache import Compiled, find, guard_from_expr, make_guard
 from .call_context import CallContext, OnesRoot
 from .live import _run_live, _run_live_leaves
 from .plan import Plan, Region, with_live
@@ -278,11 +277,20 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
 
 
 def _compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T=None, labels_I=None):
-    with _gc_resumed():
+    with _gc_resumed(), capture.progress(region, backend):
         return _compile_region_now(region, plan, S, T, I, dd, di, backend, labels_T, labels_I)
 
 
 def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T, labels_I):
+    dkey = disk_cache.region_key(region, plan, S, T, I, dd, di, backend)
+    if dkey is not None:
+        e = disk_cache.load(dkey)
+        if e is not None:  # compiled by an earlier process (disk_cache.py): no trace, no compile
+            guard = guard_from_expr(e["guard_src"])[0] if e["guard_src"] is not None else None
+            c = Compiled(e["fn"], e["present"], None, len(T), e["dyn_ints"], guard, e["guard_src"], e["aliases"], e["keep"])
+            c.from_disk = True
+            log.info("vjpgen: loaded %s of %d autograd nodes from the on-disk cache", region.label, len(region.nodes))
+            return c
     fakes, ivals, shape_env, mode = capture.fakeify(T, I, dd, di)
     dyn_ints = sorted(di)
     present: list = []
@@ -302,12 +310,16 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
     guard = guard_src = None
     if dd or di:
         guard, guard_src = make_guard(shape_env, fakes, ivals)
-    t0 = time.perf_counter()
-    compiled_fn = capture.compile_graph(gm, fake_args, backend)
-    log.debug("vjpgen: compiled %s with %s in %.2fs", region.label, backend, time.perf_counter() - t0)
-    return Compiled(
-        compiled_fn, list(present), gm, len(T), dyn_ints, guard, guard_src, capture.output_aliases(gm), keep
-    )
+    compiled_fn = capture.compile_graph(gm, fake_args, backend, f"{region.label} of {len(region.nodes)} autograd nodes")
+    c = Compiled(compiled_fn, list(present), gm, len(T), dyn_ints, guard, guard_src, capture.output_aliases(gm), keep)
+    source = getattr(compiled_fn, "_vjpgen_source", None)
+    if dkey is not None and source is not None:
+        disk_cache.store(dkey, {
+            "source": source, "n_args": len(fake_args), "present": c.present, "dyn_ints": list(dyn_ints),
+            "guard_src": guard_src, "aliases": c.aliases, "keep": keep,
+        })
+        STATS.disk_writes += 1
+    return c
 
 
 def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
@@ -418,9 +430,12 @@ def _miss(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext, S, T,
             except _NodeTraceError as e2:
                 _break_region(e2, region, plan, nodes, metas, buf, ctx, "tracing")
                 return None, None, None
-        STATS.compiles += 1
-        for i in region.nodes:
-            STATS.nodes_compiled_by_class[plan.infos[i].name] += 1
+        if compiled.from_disk:
+            STATS.disk_hits += 1
+        else:
+            STATS.compiles += 1
+            for i in region.nodes:
+                STATS.nodes_compiled_by_class[plan.infos[i].name] += 1
         cache.add(S, T, I, fk, compiled)
     else:
         STATS.cache_hits += 1

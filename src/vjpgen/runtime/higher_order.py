@@ -29,12 +29,11 @@ guards, then it is specialized on the exact sizes it met.
 from __future__ import annotations
 
 import logging
-import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import capture, decide, engine, fastpath, hooks
-from .. import native
+from .. import logs, native
 from .cache import Compiled, RegionCache, find, make_guard
 from .leaves import _clone_obey_contract
 from .stats import STATS
@@ -190,9 +189,8 @@ class DiffGraph:
             key = _exact_key(tensors, ints)
             guard = lambda tensors, ints, all_ints, key=key: _exact_key(tensors, ints) == key  # noqa: E731
         out_fakes = _out_fakes(gm)
-        t0 = time.perf_counter()
-        fn = capture.compile_graph(gm, fargs, self.backend)
-        log.debug("vjpgen: compiled %s in %.2fs", label, time.perf_counter() - t0)
+        with logs.progress(f"compiling {label} with {capture.backend_name(self.backend)}"):
+            fn = capture.compile_graph(gm, fargs, self.backend, label)
         _count("compiles", order)
         STATS.compiles += 1
         ntens = n + len(self.out_fakes)
@@ -418,7 +416,7 @@ def _region_order(region, plan, nodes) -> int:
 
 
 def _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family):
-    with capture.LOCK:  # one trace/compile at a time in the process (threads)
+    with capture.LOCK, capture.progress(region, backend, " (create_graph)"):  # one trace/compile at a time
         return _compile_now(region, plan, S, T, I, dd, di, backend, lT, lI, order, family)
 
 
@@ -433,7 +431,7 @@ def _compile_now(region, plan, S, T, I, dd, di, backend, lT, lI, order, family):
     guard = guard_src = None
     if dd or di:
         guard, guard_src = make_guard(shape_env, fakes, ivals)
-    fn = capture.compile_graph(gm, fargs, backend)
+    fn = capture.compile_graph(gm, fargs, backend, f"{region.label} of {len(region.nodes)} autograd nodes (create_graph)")
     e = _Entry(fn, list(present), gm, len(T), dyn_ints, guard, guard_src, None, None)
     root = (list(fakes), list(ivals), len(T)) if (dd or di) else None
     e.dg = DiffGraph(pyfn, fn, gm, fargs, out_fakes, len(T), order, backend, f"{region.label} (create_graph)", family,

@@ -6,28 +6,7 @@
 from __future__ import annotations
 
 import copy
-import logging
-import os
 from collections import Counter
-
-log = logging.getLogger("vjpgen")
-
-
-def _configure_logging() -> None:
-    level = os.environ.get("VJPGEN_LOG", "").strip().lower()
-    if not level:
-        return
-    lvl = getattr(logging, level.upper(), None)
-    if not isinstance(lvl, int):
-        lvl = logging.DEBUG
-    log.setLevel(lvl)
-    if not log.handlers:
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("[vjpgen %(levelname)s] %(message)s"))
-        log.addHandler(h)
-
-
-_configure_logging()
 
 
 class _Stats:
@@ -37,8 +16,10 @@ class _Stats:
     def reset(self) -> None:
         self.backward_calls = 0  # calls of backward()/grad() through vjpgen
         self.cache_hits = 0  # region executions served by an already compiled graph
-        self.cache_misses = 0  # region executions that had to trace (and compile)
+        self.cache_misses = 0  # region executions this process's cache could not serve (traced and compiled, or loaded from disk)
         self.compiles = 0  # graphs traced and compiled
+        self.disk_hits = 0  # region graphs loaded from the on-disk cache (an earlier process compiled them)
+        self.disk_writes = 0  # region graphs written to the on-disk cache
         self.recompiles = 0  # compiles of a region that already had a compiled graph
         self.recompile_reasons: list[str] = []
         self.graph_breaks = 0  # live nodes between compiled regions, counted once per graph structure
