@@ -248,3 +248,16 @@ def test_call_functional_rejects_grads_the_live_node_rejects():
     expected = node(g)
     for x, y in zip(rt.call_functional(node, [g]), expected):
         torch.testing.assert_close(x, y)
+
+
+def test_context_manager_without_its_call_says_what_to_write():
+    for cm in (rt.compiled_autograd, rt.torch_compiled_autograd):
+        name = cm.__name__
+        with pytest.raises(TypeError, match=rf"`with vjpgen.runtime.{name}:` needs a call, e.g. `with vjpgen.runtime.{name}\("):
+            with cm:
+                pass
+        assert cm.__doc__ and cm.__wrapped__.__name__ == name
+    x = torch.randn(3, requires_grad=True)
+    with rt.compiled_autograd("eager"):  # the call still is the context manager
+        (x * x).sum().backward()
+    torch.testing.assert_close(x.grad, 2 * x)

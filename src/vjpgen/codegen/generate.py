@@ -63,9 +63,6 @@ def _generator_sources() -> list[Path]:
     return out
 
 
-
-
-
 def fingerprint(inputs: Inputs, torch_version: str) -> str:
     """Everything the output depends on: YAML inputs, generator, templates, helper table, torch."""
     h = hashlib.sha256(inputs_sha256(inputs).encode() + torch_version.encode())

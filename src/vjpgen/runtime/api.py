@@ -15,7 +15,7 @@ from . import capture, decide, engine, graph_task, higher_order, hooks, kernels,
 from .. import native
 from . import plan as plan_mod
 from . import saved as _saved
-from .call_context import OnesRoot
+from .call_context import OnesRoot, context_factory
 from .sparse import leaf_node
 from .stats import STATS, record_break, record_eager_fallback
 
@@ -617,3 +617,6 @@ def compiled_autograd(backend="inductor"):
                 torch.autograd.grad = _orig_autograd_grad
                 torch.autograd.graph._engine_run_backward = _orig_engine_run_backward
                 torch.autograd._engine_run_backward = _orig_engine_run_backward
+
+
+compiled_autograd = context_factory(compiled_autograd, 'vjpgen.runtime.compiled_autograd("inductor")')

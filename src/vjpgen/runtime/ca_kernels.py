@@ -43,6 +43,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 from ..helpers.types import TensorGeometry, TensorOptions, TypeAndSize
+from .call_context import context_factory
 
 log = logging.getLogger("vjpgen")
 
@@ -417,6 +418,11 @@ def torch_compiled_autograd(compiler="inductor", *, kernels: bool = True, dynami
         )
     with set_compiled_autograd_kernels(kernels), ca._enable(compiler_fn, dynamic=dynamic):
         yield
+
+
+torch_compiled_autograd = context_factory(
+    torch_compiled_autograd, 'vjpgen.runtime.torch_compiled_autograd("inductor")'
+)
 
 
 def compiled_autograd_kernel_stats() -> dict:

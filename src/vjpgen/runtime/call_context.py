@@ -36,3 +36,28 @@ class OnesRoot(tuple):
     them again."""
 
     __slots__ = ()
+
+
+class context_factory:
+    """Wraps a ``contextlib.contextmanager`` function of the public API so that ``with f:``
+    (the call forgotten) says what to write instead of Python's bare "does not support the
+    context manager protocol"."""
+
+    def __init__(self, fn, example: str) -> None:
+        self._fn = fn
+        self._example = example
+        self.__wrapped__ = fn
+        for a in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(self, a, getattr(fn, a))
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def __enter__(self):
+        raise TypeError(f"vjpgen: `with vjpgen.runtime.{self.__name__}:` needs a call, e.g. `with {self._example}:`")
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<vjpgen context manager {self.__name__}(...)>"
