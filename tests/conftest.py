@@ -22,6 +22,8 @@ SLOW_FIRST = (
     "tests/runtime/test_capture_direct.py",
     "tests/runtime/test_disk_cache.py",  # two processes, Inductor compiles in the first
     "tests/codegen/test_generate.py",
+    "tests/runtime/test_logs.py",  # three interpreters at once
+    "tests/test_wheel.py",  # a wheel build and a venv
 )
 
 

@@ -44,6 +44,7 @@ def _run(cache, seed: int, **env) -> dict:
     e = dict(os.environ, VJPGEN_DISK_CACHE="1", VJPGEN_CACHE=str(cache), PYTHONHASHSEED=str(seed), **env)
     e.pop("VJPGEN_LOG", None)
     e["VJPGEN_NATIVE"] = "0"  # its build lives under VJPGEN_CACHE too: not rebuilt for this test
+    e["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # no pool of compile workers to start for two small graphs
     p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=e, timeout=280)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])

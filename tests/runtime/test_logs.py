@@ -42,15 +42,34 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(code: str, **env) -> subprocess.CompletedProcess:
+def _env(**env) -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith("VJPGEN_LOG") and k != "VJPGEN_PROGRESS"}
     e.update(env)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=240)
+    return e
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(**env), timeout=240)
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {level: _run(SCRIPT, **({"VJPGEN_LOG": level} if level else {})) for level in ("", "info", "debug")}
+    """The script at each level, the three processes at once."""
+    procs = {
+        level: subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=_env(**({"VJPGEN_LOG": level} if level else {})))
+        for level in ("", "info", "debug")
+    }
+    out = {}
+    for level, p in procs.items():
+        try:
+            stdout, stderr = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                q.kill()
+            raise
+        out[level] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return out
 
 
 def test_library_writes_nothing_by_default(runs):
