@@ -416,7 +416,7 @@ def _region_order(region, plan, nodes) -> int:
 
 
 def _compile(region, plan, S, T, I, dd, di, backend, lT, lI, order, family):
-    with capture.LOCK, capture.progress(region, backend, " (create_graph)"):  # one trace/compile at a time
+    with capture.LOCK, capture.progress(region, backend, ", create_graph"):  # one trace/compile at a time
         return _compile_now(region, plan, S, T, I, dd, di, backend, lT, lI, order, family)
 
 
@@ -431,7 +431,7 @@ def _compile_now(region, plan, S, T, I, dd, di, backend, lT, lI, order, family):
     guard = guard_src = None
     if dd or di:
         guard, guard_src = make_guard(shape_env, fakes, ivals)
-    fn = capture.compile_graph(gm, fargs, backend, f"{region.label} of {len(region.nodes)} autograd nodes (create_graph)")
+    fn = capture.compile_graph(gm, fargs, backend, f"{region.label} of {len(region.nodes)} autograd nodes, create_graph")
     e = _Entry(fn, list(present), gm, len(T), dyn_ints, guard, guard_src, None, None)
     root = (list(fakes), list(ivals), len(T)) if (dd or di) else None
     e.dg = DiffGraph(pyfn, fn, gm, fargs, out_fakes, len(T), order, backend, f"{region.label} (create_graph)", family,
