@@ -20,7 +20,7 @@ class _Stats:
         self.compiles = 0  # graphs traced and compiled
         self.disk_hits = 0  # region graphs loaded from the on-disk cache (an earlier process compiled them)
         self.disk_writes = 0  # region graphs written to the on-disk cache
-        self.recompiles = 0  # compiles of a region that already had a compiled graph
+        self.recompiles = 0  # new graphs (compiled or loaded from disk) for a region that already had one
         self.recompile_reasons: list[str] = []
         self.graph_breaks = 0  # live nodes between compiled regions, counted once per graph structure
         self.live_calls = 0  # calls of live nodes (graph breaks executed)
