@@ -101,7 +101,7 @@ def test_wheel_in_a_fresh_venv_behaves_as_the_editable_install(tmp_path):
     # packages (a path line: the .pth files there, the editable vjpgen's among them, do not run)
     (site / "dev_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     p = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "--no-compile", "-q", str(wheel)],
         capture_output=True, text=True, timeout=300,
     )
     assert p.returncode == 0, p.stderr[-3000:]
