@@ -568,11 +568,12 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str 
     """
     t0 = time.perf_counter()
     fn = _compile_graph(gm, fake_args, backend)
-    log.info(
-        "vjpgen: compiled %s (%d aten ops, %d inputs) with %s in %.2fs",
-        label, sum(1 for n in gm.graph.nodes if n.op == "call_function"), len(fake_args), backend_name(backend),
-        time.perf_counter() - t0,
-    )
+    if log.isEnabledFor(logging.INFO):  # (counting the ops is a walk of the graph: only when shown)
+        log.info(
+            "vjpgen: compiled %s (%d aten ops, %d inputs) with %s in %.2fs",
+            label, sum(1 for n in gm.graph.nodes if n.op == "call_function"), len(fake_args), backend_name(backend),
+            time.perf_counter() - t0,
+        )
     return fn
 
 

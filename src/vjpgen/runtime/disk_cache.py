@@ -12,7 +12,7 @@ The key is a sha256 over everything the compiled code depends on, so a stale ent
 
 * the environment: this format's version, vjpgen's version and the hash of its own sources (runtime,
   helpers, codegen), torch's version and git commit, Python's version, the machine and Inductor's
-  CPU (what Inductor's vector ISA follows) and C++ compiler, Inductor's and AOTAutograd's
+  CPU (what Inductor's vector ISA follows) and C++ compiler, Inductor's, AOTAutograd's and dynamo's
   configuration, the default dtype, deterministic algorithms, autocast, the intra-op thread count
   (Inductor's C++ kernels are parallelized for it), float32 matmul precision,
   ``VJPGEN_CPP_WRAPPER``;
@@ -270,4 +270,3 @@ def _write(p: Path, text: str) -> None:
     tmp = p.with_name(f".{p.name}.{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, p)
-
