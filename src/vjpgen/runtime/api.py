@@ -574,6 +574,11 @@ def _patched_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_gra
     ``torch.autograd.grad`` (however it was imported: ``from torch.autograd import grad``) and
     ``Tensor.backward`` all arrive, with their arguments parsed (generators, dicts, GradientEdges)
     and the root grads made by torch. Inside a block, the call runs through vjpgen."""
+    if getattr(_local, "expanding", 0) and not _local_bypass():  # a joint's trace (runtime/joint.py)
+        from . import joint
+
+        return joint.engine_call(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable,
+                                 accumulate_grad)
     st = _stack()
     if not st or _local_bypass() or kwargs or _foreign(t_outputs, inputs):
         return _orig_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_graph, inputs,
@@ -592,11 +597,25 @@ def compiled_autograd(backend="inductor"):
     setting). The call is intercepted where all of them reach torch's engine
     (``torch.autograd.graph._engine_run_backward``), so names imported before the block
     (``from torch.autograd import grad``) are covered too."""
-    global _patch_users
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     st = _stack()
     st.append(backend)
+    _install()
+    try:
+        yield
+    finally:
+        st.pop()
+        _uninstall()
+
+
+compiled_autograd = context_factory(compiled_autograd, 'vjpgen.runtime.compiled_autograd("inductor")')
+
+
+def _install() -> None:
+    """Put the patched entry points in place (reference-counted: while any thread is inside a
+    :func:`compiled_autograd` block or an :func:`expanding` trace)."""
+    global _patch_users
     with _patch_lock:
         _patch_users += 1
         if _patch_users == 1:
@@ -605,18 +624,30 @@ def compiled_autograd(backend="inductor"):
             torch.autograd.grad = _patched_autograd_grad
             torch.autograd.graph._engine_run_backward = _patched_engine_run_backward
             torch.autograd._engine_run_backward = _patched_engine_run_backward
+
+
+def _uninstall() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users == 0:
+            torch.Tensor.backward = _orig_tensor_backward
+            torch.autograd.backward = _orig_autograd_backward
+            torch.autograd.grad = _orig_autograd_grad
+            torch.autograd.graph._engine_run_backward = _orig_engine_run_backward
+            torch.autograd._engine_run_backward = _orig_engine_run_backward
+
+
+@contextlib.contextmanager
+def expanding():
+    """Within (on this thread): a ``torch.autograd.grad`` that reaches torch's engine — from any
+    spelling, inside a function a joint traces (runtime/joint.py) — is expanded with vjpgen's
+    kernels on the traced tensors (:func:`vjpgen.runtime.joint.engine_call`) instead of running
+    torch's C++ nodes. Used by the ``vjpgen`` torch.compile backend while it traces."""
+    _local.expanding = getattr(_local, "expanding", 0) + 1
+    _install()
     try:
         yield
     finally:
-        st.pop()
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                torch.Tensor.backward = _orig_tensor_backward
-                torch.autograd.backward = _orig_autograd_backward
-                torch.autograd.grad = _orig_autograd_grad
-                torch.autograd.graph._engine_run_backward = _orig_engine_run_backward
-                torch.autograd._engine_run_backward = _orig_engine_run_backward
-
-
-compiled_autograd = context_factory(compiled_autograd, 'vjpgen.runtime.compiled_autograd("inductor")')
+        _local.expanding -= 1
+        _uninstall()

@@ -457,8 +457,9 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
             return False
     else:
         compiled, T, I = r
-        STATS.cache_hits += 1
-        compiled.hits += 1
+        if kind.counts_hits:
+            STATS.cache_hits += 1
+            compiled.hits += 1
     if ctx.graphs is not None:
         ctx.graphs.append(("region", region.label, compiled.gm, [plan.infos[i].name for i in region.nodes]))
     # from here the compiled graph holds the only references to what it reads, and frees each
@@ -473,7 +474,10 @@ def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext)
 class FirstOrder:
     """The first-order kind of region: the region's own cache and specialized gathers (the native
     one armed with the entry its guards chose), compiled graphs called as boxed functions whose
-    outputs are scattered into the grad buffer. higher_order.CreateGraph is the other kind."""
+    outputs are scattered into the grad buffer. higher_order.CreateGraph and joint.Inline (a
+    joint's trace: kernels called on the traced tensors) are the other kinds."""
+
+    counts_hits = True  # a region served by ``fast`` is a cache hit in stats()
 
     @staticmethod
     def fast(region, plan, nodes, metas, buf):

@@ -500,6 +500,8 @@ class CreateGraph:
     :class:`DiffGraph` (traced like a first-order region, its family and derivative order
     recorded), called as a differentiable function whose grads are added into the buffer."""
 
+    counts_hits = True
+
     @staticmethod
     def fast(region, plan, nodes, metas, buf):  # (its specializations live on the plan, plan.ho_fast)
         return _fast_lookup(region, plan, nodes, metas, buf)

@@ -40,6 +40,14 @@ class _Stats:
             "eager_fallbacks": Counter(),  # order -> calls computed eagerly (counted, eager's values)
             "fallback_reasons": Counter(),  # "order N: reason" -> count
         }
+        # the torch.compile backend (runtime/dynamo_backend.py)
+        self.backend = {
+            "graphs": 0,  # graphs dynamo handed to the backend
+            "inference_graphs": 0,  # of those, graphs with nothing to differentiate (inner compiler only)
+            "compiles": Counter(),  # order -> graphs compiled with a backward from vjpgen's kernels
+            "fallbacks": 0,  # graphs handed to torch's AOTAutograd (vjpgen could not build the joint)
+            "fallback_reasons": Counter(),
+        }
 
     def snapshot(self) -> dict:
         d = {k: copy.copy(v) for k, v in vars(self).items()}

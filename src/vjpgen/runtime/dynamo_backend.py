@@ -1,0 +1,377 @@
+"""vjpgen as a torch.compile backend: ``torch.compile(model, backend="vjpgen")``.
+
+Dynamo captures the graphs (guards, graph breaks, recompiles: all dynamo's). For each graph whose
+inputs require grad, this backend
+
+1. fakeifies the inputs in dynamo's fake mode (its ShapeEnv: dynamic sizes stay symbolic);
+2. traces the joint (runtime/joint.py): the graph functionalized and decomposed to aten, its
+   backward built from vjpgen's generated kernels through the one executor (not from torch's C++
+   nodes); ``torch.autograd.grad`` calls dynamo kept in the graph are expanded the same way;
+3. splits it with torch's partitioner (min-cut rematerialization for Inductor, as torch.compile)
+   and compiles forward and backward with the inner compiler (Inductor by default);
+4. runs them as one ``torch.autograd.Function`` (:class:`_BackendFn`) whose backward is
+   differentiable: under ``create_graph`` it calls the graph of the vjp (a :class:`CompiledGraph`
+   again: its joint traced from vjpgen's kernels, partitioned, compiled on first use), so every
+   order is compiled.
+
+A graph no input of which requires grad is compiled by the inner compiler alone (no backward to
+build); a graph whose joint vjpgen cannot build goes to torch's own AOTAutograd with the inner
+compiler, counted with its reason in ``vjpgen.runtime.stats()["backend"]``.
+
+Options (``torch.compile(..., options={...})``): ``"compiler"``: ``"inductor"`` (default),
+``"aot_eager"`` (trace only, for a fast start) or ``"eager"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from . import capture, joint
+from .stats import STATS
+
+log = logging.getLogger("vjpgen")
+
+COMPILERS = ("inductor", "aot_eager", "eager")
+_LOCK = threading.RLock()
+
+
+def _counters() -> dict:
+    return STATS.backend
+
+
+def record_fallback(reason: str) -> None:
+    b = _counters()
+    b["fallbacks"] += 1
+    b["fallback_reasons"][reason] += 1
+    log.debug("vjpgen backend: graph goes to torch's AOTAutograd: %s", reason)
+
+
+# ------------------------------------------------------------------------------------------
+# the backend
+
+
+def _parse_options(options, mode) -> dict:
+    opts = dict(options or {})
+    compiler = opts.pop("compiler", "inductor")
+    if compiler not in COMPILERS:
+        raise ValueError(f"vjpgen backend: options['compiler']={compiler!r}; expected one of {COMPILERS}")
+    if opts:
+        raise ValueError(
+            f"vjpgen backend: unknown option(s) {sorted(opts)}; it takes options={{'compiler': one of {COMPILERS}}}"
+        )
+    return {"compiler": compiler, "mode": mode}
+
+
+def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
+    """The ``vjpgen`` backend (entry point ``torch_dynamo_backends``): see the module docstring."""
+    opts = _parse_options(options, mode)
+    b = _counters()
+    b["graphs"] += 1
+    wants_grad = torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+    )
+    if not wants_grad:  # no backward to build: the inner compiler's forward
+        b["inference_graphs"] += 1
+        return _inner_backend(opts)(gm, example_inputs)
+    fakes, fake_mode = _fakeify(example_inputs)
+    try:
+        cg = CompiledGraph.build(gm, fakes, fake_mode, opts["compiler"], order=1, label="graph")
+    except joint.Unsupported as e:
+        record_fallback(str(e))
+        return _inner_backend(opts)(gm, example_inputs)
+    if cg is None:  # no output requires grad: nothing differentiable
+        b["inference_graphs"] += 1
+        return _inner_backend(opts)(gm, example_inputs)
+    return cg.runtime()
+
+
+def _inner_backend(opts):
+    """torch's own handling of a graph with the inner compiler (AOTAutograd around it)."""
+    compiler = opts["compiler"]
+    if compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        mode = opts.get("mode")
+        if mode and mode != "default":
+            from torch._inductor import list_mode_options
+
+            return lambda gm, ex: compile_fx(gm, ex, config_patches=list_mode_options(mode))
+        return compile_fx
+    if compiler == "aot_eager":
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager
+    return lambda gm, ex: gm.forward
+
+
+def _fakeify(example_inputs):
+    """The inputs as fake tensors of dynamo's backend fake mode, with the symbolic sizes dynamo
+    gave them (as AOTAutograd fakeifies them); ints stay as they are (static)."""
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
+    tc = torch._guards.TracingContext.try_get()
+    out = []
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for x in example_inputs:
+        if isinstance(x, FakeTensor) and x.fake_mode is fake_mode:
+            out.append(x)
+        elif isinstance(x, torch.Tensor):
+            sc = tc.tensor_to_context.get(x) if tc is not None else None
+            out.append(fake_mode.from_tensor(x, symbolic_context=sc, source=getattr(sc, "tensor_source", None),
+                                             trace=False) if sc is not None else fake_mode.from_tensor(x))
+        else:
+            out.append(x)
+    return out, fake_mode
+
+
+# ------------------------------------------------------------------------------------------
+# one compiled graph: forward, backward, and the graphs of its vjp (the next orders)
+
+
+def _decompositions(compiler: str):
+    if compiler == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+
+        return select_decomp_table()
+    return {}
+
+
+def _placeholder_vals(gm) -> list:
+    return [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+
+
+class CompiledGraph:
+    """A function compiled with a backward built from vjpgen's kernels (see the module docstring).
+
+    ``fn``: the Python function it was traced from (dynamo's graph at order 1; at order k + 1 the
+    vjp of the order-k function, :func:`vjpgen.runtime.joint.vjp_fn`), which the next order's
+    joint is traced from."""
+
+    def __init__(self, fn, meta, fw, bw, bw_args, n_saved, order, compiler, label, fw_gm, bw_gm):
+        self.fn = fn
+        self.meta = meta
+        self.fw = fw  # boxed: inputs -> outputs + mutated inputs' new values + saved values
+        self.bw = bw  # boxed: bw_args -> grads (one per input, None where it needs none)
+        self.bw_args = bw_args  # per backward input: ("saved", k) or ("tangent", j)
+        self.n_saved = n_saved
+        self.order = order
+        self.compiler = compiler
+        self.label = label
+        self.fw_gm = fw_gm
+        self.bw_gm = bw_gm
+        self.vjps: dict = {}  # (mask, requires-grad pattern, sizes) -> CompiledGraph of the vjp
+
+    @classmethod
+    def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str):
+        """Trace, partition and compile; None when no output requires grad."""
+        meta = joint.analyze(fn, fakes, fake_mode)
+        if not meta.diff_outputs:
+            return None
+        with capture.LOCK:
+            gm = joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
+            deps = joint.output_deps(gm)
+            fw_gm, bw_gm = joint.partition(gm, meta, compiler)
+            n_fw = meta.num_fwd_outputs
+            fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
+            pos = {}
+            for k, a in enumerate(fw_out[n_fw:]):
+                if isinstance(a, torch.fx.Node):
+                    pos.setdefault(a.name, k)
+            bw_args = []
+            nt = 0
+            for p in bw_gm.graph.find_nodes(op="placeholder"):
+                if p.name.startswith("tangents"):
+                    bw_args.append(("tangent", nt))
+                    nt += 1
+                elif p.name in pos:
+                    bw_args.append(("saved", pos[p.name]))
+                else:
+                    raise joint.Unsupported(f"the partitioned backward reads {p.name}, which the forward does not save")
+            what = f"{label} (order {order})"
+            fw = capture.compile_graph(fw_gm, list(fakes), compiler, f"the forward of {what}")
+            bw = capture.compile_graph(bw_gm, _placeholder_vals(bw_gm), compiler, f"the backward of {what}")
+        b = _counters()
+        b["compiles"][order] += 1
+        cg = cls(fn, meta, fw, bw, tuple(bw_args), len(fw_out) - n_fw, order, compiler, label, fw_gm, bw_gm)
+        n = meta.n_inputs
+        # per output: the inputs it depends on; per grad: the tangents it depends on (a grad that
+        # depends only on tangents that are undefined on a call is undefined, as in eager)
+        cg.fw_deps = tuple(deps[:len(meta.out_kinds)])
+        cg.bw_deps = tuple(frozenset(t - n for t in d if t >= n) for d in deps[n_fw:n_fw + n])
+        return cg
+
+    # -- calling
+
+    def runtime(self):
+        """The callable dynamo calls (unboxed): the outputs, through :class:`_BackendFn` when grad
+        mode is on and an input requires grad (dynamo guards both)."""
+        meta = self.meta
+        mutated = meta.mutated
+
+        def run(*args):
+            box: list = []
+            outs = _BackendFn.apply(self, box, *args)
+            if not isinstance(outs, tuple):
+                outs = (outs,)
+            if mutated:
+                with torch.no_grad():
+                    for i, v in zip(mutated, box):
+                        args[i].copy_(v)
+            return outs
+
+        run._vjpgen_graph = self
+        return run
+
+    def call(self, args: list):
+        """Outputs of this graph for ``args`` (differentiable where an input requires grad)."""
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            box: list = []
+            outs = _BackendFn.apply(self, box, *args)
+            return outs if isinstance(outs, tuple) else (outs,)
+        n = len(self.meta.out_kinds)
+        return tuple(self.fw(list(args))[:n])
+
+    # -- the next order
+
+    def vjp_graph(self, mask: tuple, args: list):
+        """The CompiledGraph of this graph's vjp with respect to the inputs in ``mask``, for
+        ``args`` (primals then tangents), traced at their exact sizes on first use."""
+        key = (mask, tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.requires_grad)
+                           if isinstance(a, torch.Tensor) else ("int", a) for a in args))
+        cg = self.vjps.get(key)
+        if cg is None:
+            with _LOCK:
+                cg = self.vjps.get(key)
+                if cg is None:
+                    wrt = tuple(i for i, m in enumerate(mask) if m)
+                    fn = joint.vjp_fn(self.fn, self.meta.n_inputs, wrt, self.meta.diff_outputs)
+                    fakes, fake_mode = _static_fakes(args)
+                    cg = CompiledGraph.build(fn, fakes, fake_mode, self.compiler, self.order + 1, self.label)
+                    self.vjps[key] = cg if cg is not None else False
+        return cg or None
+
+
+def _static_fakes(args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            f = mode.from_tensor(a, static_shapes=True)
+            out.append(f)
+        else:
+            out.append(a)
+    return out, mode
+
+
+class _BackendFn(torch.autograd.Function):
+    """One call of a :class:`CompiledGraph` as a node of the autograd graph."""
+
+    @staticmethod
+    def forward(ctx, cg, box, *args):
+        meta = cg.meta
+        res = cg.fw(list(args))
+        n_out = len(meta.out_kinds)
+        n_fw = meta.num_fwd_outputs
+        outs = res[:n_out]
+        box.extend(res[n_out:n_fw])
+        saved = res[n_fw:]
+        ctx.cg = cg
+        tensors = [s for s in saved if isinstance(s, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        ctx.saved_kinds = [isinstance(s, torch.Tensor) for s in saved]
+        ctx.saved_other = [s for s in saved if not isinstance(s, torch.Tensor)]
+        # the inputs, for a create_graph backward (recomputed from them): plain references, with
+        # their versions, so a first-order backward never unpacks (nor version-checks) them
+        ctx.primals = args
+        ctx.versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+        ctx.diff_meta = [(outs[j].shape, outs[j].dtype, outs[j].device) for j in meta.diff_outputs]
+        nondiff = [outs[j] for j in meta.nondiff_outputs]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gouts):
+        cg = ctx.cg
+        meta = cg.meta
+        # the grads of the differentiable outputs (zeros for one that got none), contiguous as the
+        # backward was traced with
+        tangents = []
+        for j, (shape, dtype, device) in zip(meta.diff_outputs, ctx.diff_meta):
+            g = gouts[j]
+            if g is None:
+                g = torch.zeros(shape, dtype=dtype, device=device)
+            elif not g.is_contiguous():
+                g = g.contiguous()
+            tangents.append(g)
+        if torch.is_grad_enabled():  # create_graph: the grads must be differentiable
+            return (None, None, *_differentiable_backward(ctx, cg, tangents, gouts))
+        saved_t = iter(ctx.saved_tensors)
+        saved_o = iter(ctx.saved_other)
+        saved = [next(saved_t) if k else next(saved_o) for k in ctx.saved_kinds]
+        args = [saved[k] if kind == "saved" else tangents[k] for kind, k in cg.bw_args]
+        del saved, tangents
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            ctx.primals = None
+        grads = list(cg.bw(args)[:meta.n_inputs])
+        _undefine(grads, cg.bw_deps, gouts, meta.diff_outputs, 0)
+        return (None, None, *grads)
+
+
+def _differentiable_backward(ctx, cg, tangents, gouts):
+    """A create_graph backward: the grads as the outputs of the vjp's own compiled graph, called
+    on the inputs (whose history it keeps) and the tangents."""
+    primals = ctx.primals
+    if primals is None:
+        raise RuntimeError(
+            "Trying to backward through the graph a second time (or directly access saved tensors after they have "
+            "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
+            "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
+            "if you need to access saved tensors after calling backward."
+        )
+    for a, v in zip(primals, ctx.versions):
+        if isinstance(a, torch.Tensor) and a._version != v:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"an input of a graph compiled by the vjpgen backend is at version {a._version}; expected version {v} "
+                "instead (a create_graph backward recomputes the graph from its inputs)"
+            )
+    meta = cg.meta
+    mask = tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs))
+    args = [*primals, *tangents]
+    if not torch._C._autograd._get_current_graph_task_keep_graph():
+        ctx.primals = None
+    vg = cg.vjp_graph(mask, args)
+    if vg is None:
+        return [None] * meta.n_inputs
+    outs = list(vg.call(args))
+    _undefine(outs, vg.fw_deps, gouts, meta.diff_outputs, meta.n_inputs)
+    res = [None] * meta.n_inputs
+    k = 0
+    for i, m in enumerate(mask):
+        if m:
+            res[i] = outs[k]
+            k += 1
+    return res
+
+
+def _undefine(grads: list, deps, gouts, diff_outputs, offset: int) -> None:
+    """Set to None (in place) each grad that depends on no tangent defined on this call (eager
+    never reaches that input: its grad stays undefined, not zeros). ``deps[k]``: the positions
+    (from ``offset``) of the tangents grad k depends on."""
+    if all(gouts[j] is not None for j in diff_outputs):
+        return
+    defined = {offset + t for t, j in enumerate(diff_outputs) if gouts[j] is not None}
+    for k, d in enumerate(deps):
+        if k < len(grads) and grads[k] is not None and not (d & defined):
+            grads[k] = None

@@ -1,0 +1,342 @@
+"""The backward of a traced function built from vjpgen's kernels: the joint graph of the
+``vjpgen`` torch.compile backend (:mod:`vjpgen.runtime.dynamo_backend`), every order.
+
+A joint is traced with make_fx over functional fake tensors, as AOTAutograd traces its joint: the
+function runs with autograd recording (torch's C++ nodes, on the traced tensors), then, where
+AOTAutograd calls ``torch.autograd.grad`` and so traces the C++ nodes' formulas, :func:`grad_inline`
+runs the recorded graph through vjpgen's one executor (:func:`vjpgen.runtime.engine.execute`: the
+same walk, plan and region function as every runtime backward) with the :class:`Inline` region
+kind: a region's generated kernels are called on the traced tensors themselves, so their aten ops
+land in the joint, tagged with their node class. Nothing is compiled here.
+
+``torch.autograd.grad`` calls *inside* a traced function (dynamo keeps them in its graph with
+``torch._dynamo.config.trace_autograd_ops``; the vjp of an earlier order always has one) are
+expanded the same way (:func:`vjpgen.runtime.api.expanding`), with ``create_graph`` honoured: the
+kernels' ops are recorded by autograd again, so the next order's joint differentiates them with the
+kernels of their own aten ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import engine, leaves, walk
+from . import plan as plan_mod
+from .call_context import CallContext
+
+log = logging.getLogger("vjpgen")
+
+
+class Unsupported(Exception):
+    """The joint of this function cannot be built from vjpgen's kernels (the reason is the
+    message); the caller uses torch's own AOTAutograd for it, counted."""
+
+
+# ------------------------------------------------------------------------------------------
+# the Inline region kind: kernels called on the traced tensors
+
+
+class _InlineEntry:
+    __slots__ = ("S", "hits", "present", "aliases")
+
+    def __init__(self, S):
+        self.S = S
+        self.hits = 0
+        self.present = None
+        self.aliases = None  # every output may alias (nothing here steals a grad)
+
+
+class Inline:
+    """The region kind of a joint trace (see the module docstring): no cache and no compile, the
+    region's function (``engine._make_region_fn``, the one every compiled region is traced from)
+    called on the region's tensors, its grads scattered into the buffer as a compiled region's."""
+
+    counts_hits = False  # not a cache hit: stats() counts the runtime's regions only
+
+    @staticmethod
+    def fast(region, plan, nodes, metas, buf):
+        S, T, I, _, _, _ = engine._gather(region, plan, nodes, metas, buf)
+        return _InlineEntry(S), T, I
+
+    @staticmethod
+    def call(region, plan, entry, T, I, metas, buf, ctx) -> None:
+        present: list = []
+        fn = engine._make_region_fn(region, plan, entry.S, len(T), list(I), (), present)
+        outs = fn(*T)
+        entry.present = present
+        for s in region.drop_in:
+            buf[s] = None
+        engine.scatter_outputs(outs, engine._out_table(region, entry), buf, ctx.protected)
+
+
+def _edge(t: torch.Tensor):
+    e = torch.autograd.graph.get_gradient_edge(t)
+    return e.node, e.output_nr
+
+
+@contextlib.contextmanager
+def _no_autocast():
+    """The backward is traced without autocast, as eager runs a backward called outside the
+    forward's autocast region (AOTAutograd's ``backward_pass_autocast="off"``)."""
+    with contextlib.ExitStack() as st:
+        for dev in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(dev):
+                st.enter_context(torch.autocast(dev, enabled=False))
+        yield
+
+
+def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> list:
+    """The grads of ``outputs`` (weighted by ``grad_outputs``) with respect to ``inputs`` (None
+    where one does not reach), computed by calling vjpgen's kernels on these (traced) tensors
+    through the one executor. With ``create_graph`` the kernels run in grad mode, so their ops are
+    recorded by autograd (the grads are differentiable). Raises :class:`Unsupported` for a graph
+    whose plan runs a node live (no kernel, hooks, a custom Function with side effects)."""
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+    if not pairs:
+        return [None] * len(inputs)
+    root_edges = [_edge(o) for o, _ in pairs]
+    nodes, metas, _, key, index = walk.walk(root_edges, False, False)
+    hooked = walk.find_hooks(nodes, True, True)
+    root_idx = tuple((index[n], nr) for n, nr in root_edges)
+    targets = []
+    for t in inputs:
+        if not t.requires_grad:
+            targets.append(None)
+            continue
+        n, nr = _edge(t)
+        targets.append((index[n], nr) if n in index else None)
+    plan = plan_mod.build_plan(nodes, metas, hooked, key, root_idx, tuple(targets), False)
+    if plan.eager_reason is not None:
+        raise Unsupported(plan.eager_reason)
+    live = [plan.infos[st.node] for st in plan.steps if isinstance(st, plan_mod.LiveStep)]
+    if live:
+        raise Unsupported(f"graph break at {live[0].name}: {live[0].live[1]}")
+    ctx = CallContext(None, False, Inline, None, create_graph)
+    ctx.hooked = hooked
+    with torch.set_grad_enabled(create_graph), _no_autocast():
+        buf = engine.execute(plan, nodes, metas, [g for _, g in pairs], ctx)
+        return leaves.captured_grads(plan, nodes, buf, ctx)
+
+
+def engine_call(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad):
+    """``torch.autograd.graph._engine_run_backward`` while a joint is traced (see
+    :func:`vjpgen.runtime.api.expanding`): a ``torch.autograd.grad`` inside the traced function."""
+    if accumulate_grad:
+        raise Unsupported("Tensor.backward / torch.autograd.backward inside the compiled function")
+    if not inputs:
+        raise Unsupported("torch.autograd.grad without inputs inside the compiled function")
+    ins = []
+    for t in inputs:
+        if isinstance(t, torch.autograd.graph.GradientEdge):
+            raise Unsupported("torch.autograd.grad with GradientEdge inputs inside the compiled function")
+        ins.append(t)
+    return tuple(grad_inline(list(t_outputs), ins, list(grad_tensors), bool(create_graph)))
+
+
+# ------------------------------------------------------------------------------------------
+# tracing a joint
+
+
+@dataclass
+class JointMeta:
+    """What the joint's trace found about the function it differentiates."""
+
+    n_inputs: int
+    requires_grad: tuple  # per input: a tensor that requires grad
+    out_kinds: tuple  # per output: "tensor" or "none"
+    diff_outputs: tuple  # indices of the outputs that get a tangent (require grad, floating)
+    nondiff_outputs: tuple  # tensor outputs that do not require grad
+    mutated: tuple  # inputs whose data the function mutates (their new values follow the outputs)
+    out_fakes: list = field(default_factory=list)
+
+    @property
+    def num_fwd_outputs(self) -> int:
+        return len(self.out_kinds) + len(self.mutated)
+
+
+def _as_tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def analyze(fn, fakes, fake_mode) -> JointMeta:
+    """Run ``fn`` once over functional fakes and read what the joint needs: which outputs get a
+    tangent, which inputs it mutates. Raises :class:`Unsupported` for what the backend leaves to
+    AOTAutograd: non-tensor outputs, outputs that alias an input or each other's storage... of an
+    input, metadata mutations, data mutations of inputs that require grad, inputs that alias each
+    other where one is mutated."""
+    from torch._functorch._aot_autograd.functional_utils import (
+        from_fun,
+        has_data_mutation,
+        has_metadata_mutation,
+        to_fun,
+    )
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    rg = tuple(isinstance(f, torch.Tensor) and f.requires_grad for f in fakes)
+    with fake_mode, FunctionalTensorMode():
+        fargs = [to_fun(f) for f in fakes]
+        in_storage = {}
+        for i, a in enumerate(fargs):
+            if isinstance(a, torch.Tensor):
+                in_storage.setdefault(StorageWeakRef(a.untyped_storage()), []).append(i)
+        with torch.enable_grad(), expanding():
+            outs = _as_tuple(fn(*fargs))
+        kinds, diff, nondiff, out_fakes = [], [], [], []
+        for j, o in enumerate(outs):
+            if o is None:
+                kinds.append("none")
+                out_fakes.append(None)
+                continue
+            if not isinstance(o, torch.Tensor):
+                raise Unsupported(f"output {j} is a {type(o).__name__}, not a tensor")
+            if StorageWeakRef(o.untyped_storage()) in in_storage:
+                raise Unsupported(f"output {j} aliases an input")
+            kinds.append("tensor")
+            if o.requires_grad and (o.dtype.is_floating_point or o.dtype.is_complex):
+                diff.append(j)
+            else:
+                nondiff.append(j)
+            out_fakes.append(from_fun(o))
+        mutated = []
+        for i, (a, f) in enumerate(zip(fargs, fakes)):
+            if not isinstance(a, torch.Tensor):
+                continue
+            torch._sync(a)
+            if has_metadata_mutation(a, f, check_only_storage_mutation=False):
+                raise Unsupported(f"input {i}'s metadata is mutated")
+            if has_data_mutation(a):
+                if rg[i]:
+                    raise Unsupported(f"input {i}, which requires grad, is mutated")
+                if len(in_storage.get(StorageWeakRef(a.untyped_storage()), ())) > 1:
+                    raise Unsupported(f"input {i} is mutated and aliases another input")
+                mutated.append(i)
+    return JointMeta(len(fakes), rg, tuple(kinds), tuple(diff), tuple(nondiff), tuple(mutated), out_fakes)
+
+
+@contextlib.contextmanager
+def _backward_tag():
+    """Nodes traced within carry ``partitioner_tag="is_backward"`` (as AOTAutograd tags its
+    joint's backward), which the partitioner reads."""
+    from torch.fx import traceback as fx_traceback
+
+    with fx_traceback.preserve_node_meta():
+        prior = fx_traceback.current_meta.get("partitioner_tag")
+        fx_traceback.current_meta["partitioner_tag"] = "is_backward"
+        try:
+            yield
+        finally:
+            fx_traceback.current_meta["partitioner_tag"] = prior
+
+
+def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> torch.fx.GraphModule:
+    """make_fx of ``joint(primals, tangents) -> (outputs + mutated inputs' new values, grads)``:
+    ``fn`` functionalized, its backward built from vjpgen's kernels (:func:`grad_inline`). The
+    placeholders are named ``primals_*`` / ``tangents_*`` and the outputs flat, as torch's
+    partitioners expect; a grad is None for an input that does not require grad or that no
+    output reaches."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    rg = meta.requires_grad
+    diff = meta.diff_outputs
+
+    def joint(primals, tangents):
+        with FunctionalTensorMode():
+            fp = [to_fun(p) for p in primals]
+            ft = [to_fun(t) for t in tangents]
+            with torch.enable_grad(), expanding():
+                outs = _as_tuple(fn(*fp))
+            wrt = [p for p, r in zip(fp, rg) if r]
+            with _backward_tag():
+                gs = grad_inline([outs[j] for j in diff], wrt, ft)
+            it = iter(gs)
+            grads = [next(it) if r else None for r in rg]
+            new_vals = []
+            for i in meta.mutated:
+                torch._sync(fp[i])
+                new_vals.append(fp[i])
+            fw = [from_fun(o) if isinstance(o, torch.Tensor) else o for o in (*outs, *new_vals)]
+            return [*fw, *[from_fun(g) if isinstance(g, torch.Tensor) else g for g in grads]]
+
+    with fake_mode:
+        tangents = [torch.empty(meta.out_fakes[j].shape, dtype=meta.out_fakes[j].dtype,
+                                device=meta.out_fakes[j].device) for j in diff]
+    with enable_python_dispatcher(), fake_mode:
+        gm = make_fx(joint, decomposition_table=decompositions or {}, tracing_mode="real",
+                     _allow_non_fake_inputs=False)(list(fakes), tangents)
+    _flatten_io(gm)
+    return gm
+
+
+def _flatten_io(gm: torch.fx.GraphModule) -> None:
+    """make_fx of ``joint(primals, tangents)`` leaves a pytree calling convention: plain flat
+    positional inputs and a flat output tuple instead, as the partitioners' graphs have."""
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    flat = torch.utils._pytree.tree_leaves(out.args[0], is_leaf=lambda x: x is None)
+    out.args = (tuple(flat),)
+    gm.recompile()
+
+
+def output_deps(gm: torch.fx.GraphModule) -> list:
+    """Per output of a traced graph: the positions of the placeholders it depends on."""
+    dep: dict = {}
+    k = 0
+    empty = frozenset()
+    out_args = ()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            dep[n] = frozenset((k,))
+            k += 1
+        elif n.op == "output":
+            out_args = n.args[0]
+        else:
+            d = empty
+            for a in n.all_input_nodes:
+                d = d | dep.get(a, empty)
+            dep[n] = d
+    return [dep.get(a, empty) if isinstance(a, torch.fx.Node) else empty for a in out_args]
+
+
+def partition(joint_gm: torch.fx.GraphModule, meta: JointMeta, compiler: str):
+    """Torch's partitioners: the min-cut rematerialization for Inductor (what torch.compile uses),
+    the default one otherwise. Returns (forward module, backward module)."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    n = meta.num_fwd_outputs
+    if compiler == "inductor":
+        return min_cut_rematerialization_partition(joint_gm, None, compiler="inductor", num_fwd_outputs=n)
+    return default_partition(joint_gm, None, num_fwd_outputs=n)
+
+
+# ------------------------------------------------------------------------------------------
+# the vjp of a function, as a function (the next order's forward)
+
+
+def vjp_fn(fn, n_args: int, wrt: tuple, diff_outputs: tuple):
+    """``vjp(*args, *tangents) -> grads``: the grads of ``fn``'s outputs ``diff_outputs``
+    (weighted by the tangents) with respect to its arguments ``wrt``, built from vjpgen's kernels
+    with ``create_graph`` (differentiable again, so a joint of this function is the next order)."""
+
+    def vjp(*args):
+        prim = args[:n_args]
+        tangents = list(args[n_args:])
+        with torch.enable_grad():
+            outs = _as_tuple(fn(*prim))
+        return grad_inline([outs[j] for j in diff_outputs], [prim[i] for i in wrt], tangents, True)
+
+    return vjp
+
+
+def expanding():
+    """See :func:`vjpgen.runtime.api.expanding` (imported lazily: api imports the runtime)."""
+    from .api import expanding as _expanding
+
+    return _expanding()
