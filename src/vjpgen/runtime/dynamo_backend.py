@@ -180,10 +180,12 @@ class CompiledGraph:
             fw_gm, bw_gm = joint.partition(gm, meta, compiler)
             n_fw = meta.num_fwd_outputs
             fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
-            pos = {}
+            pos = {}  # the partitioner names a saved value's backward placeholder after its node
             for k, a in enumerate(fw_out[n_fw:]):
                 if isinstance(a, torch.fx.Node):
                     pos.setdefault(a.name, k)
+            if meta.mutated:
+                joint.save_old_values(fw_gm, n_fw, meta.mutated)
             bw_args = []
             nt = 0
             for p in bw_gm.graph.find_nodes(op="placeholder"):

@@ -46,6 +46,12 @@ def _carrier():
     return c
 
 
+def prepare() -> None:
+    """Make this thread's carrier graph now (of real tensors): before a trace that may call
+    :func:`run` while a fake or proxy mode is active."""
+    _carrier()
+
+
 def run(job, keep_graph: bool, will_execute=None) -> None:
     """Call ``job()`` inside a new graph task of torch's engine with the given ``keep_graph``
     (the caller's ``retain_graph``; ``create_graph`` is False: vjpgen hands create_graph to

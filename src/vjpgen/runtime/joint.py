@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import engine, leaves, walk
+from . import engine, graph_task, leaves, walk
+from .. import native
+from . import saved as _saved
 from . import plan as plan_mod
 from .call_context import CallContext
 
@@ -102,6 +104,14 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
     root_edges = [_edge(o) for o, _ in pairs]
     nodes, metas, _, key, index = walk.walk(root_edges, False, False)
     hooked = walk.find_hooks(nodes, True, True)
+    # the nodes whose saved tensors have unpack hooks (a checkpointed region), grouped by hook as
+    # the API groups them: the plan does not read their saved values, and cuts regions between them
+    saved_groups = None
+    if native.module() is not None:
+        saved_hooked = walk.walk_fast(root_edges, False, False, saved_hooks=True)[5]
+        if saved_hooked:
+            ordinal: dict = {}
+            saved_groups = {i: ordinal.setdefault(k, len(ordinal)) for i, k in sorted(saved_hooked.items())}
     root_idx = tuple((index[n], nr) for n, nr in root_edges)
     targets = []
     for t in inputs:
@@ -110,7 +120,7 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
             continue
         n, nr = _edge(t)
         targets.append((index[n], nr) if n in index else None)
-    plan = plan_mod.build_plan(nodes, metas, hooked, key, root_idx, tuple(targets), False)
+    plan = plan_mod.build_plan(nodes, metas, hooked, key, root_idx, tuple(targets), False, saved_groups)
     if plan.eager_reason is not None:
         raise Unsupported(plan.eager_reason)
     live = [plan.infos[st.node] for st in plan.steps if isinstance(st, plan_mod.LiveStep)]
@@ -118,9 +128,22 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
         raise Unsupported(f"graph break at {live[0].name}: {live[0].live[1]}")
     ctx = CallContext(None, False, Inline, None, create_graph)
     ctx.hooked = hooked
-    with torch.set_grad_enabled(create_graph), _no_autocast():
-        buf = engine.execute(plan, nodes, metas, [g for _, g in pairs], ctx)
-        return leaves.captured_grads(plan, nodes, buf, ctx)
+    # (each node's saved values are read once, as the engine reads them: a checkpointed region's
+    # unpack recomputes it once)
+    box: list = []
+
+    def job():
+        with torch.set_grad_enabled(create_graph), _no_autocast(), _saved.per_call():
+            buf = engine.execute(plan, nodes, metas, [g for _, g in pairs], ctx)
+            box.append(leaves.captured_grads(plan, nodes, buf, ctx))
+
+    if saved_groups:
+        # unpack hooks read the graph task (torch.utils.checkpoint recomputes a block once per
+        # graph task; outside one, once per unpack): inside a real one, as the API runs them
+        graph_task.run(job, keep_graph=True)
+    else:
+        job()
+    return box[0]
 
 
 def engine_call(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad):
@@ -219,6 +242,18 @@ def analyze(fn, fakes, fake_mode) -> JointMeta:
     return JointMeta(len(fakes), rg, tuple(kinds), tuple(diff), tuple(nondiff), tuple(mutated), out_fakes)
 
 
+def _tag_forward() -> None:
+    """Every node traced so far but the tangents is the forward's (``partitioner_tag``, as
+    AOTAutograd tags its joint after the forward): the default partitioner keeps them there."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    if mode is None:
+        return
+    for node in mode.tracer.graph.nodes:
+        node.meta["partitioner_tag"] = "is_backward" if "tangents" in str(node.target) else "is_forward"
+
+
 @contextlib.contextmanager
 def _backward_tag():
     """Nodes traced within carry ``partitioner_tag="is_backward"`` (as AOTAutograd tags its
@@ -253,6 +288,7 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
             ft = [to_fun(t) for t in tangents]
             with torch.enable_grad(), expanding():
                 outs = _as_tuple(fn(*fp))
+            _tag_forward()
             wrt = [p for p, r in zip(fp, rg) if r]
             with _backward_tag():
                 gs = grad_inline([outs[j] for j in diff], wrt, ft)
@@ -265,6 +301,7 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
             fw = [from_fun(o) if isinstance(o, torch.Tensor) else o for o in (*outs, *new_vals)]
             return [*fw, *[from_fun(g) if isinstance(g, torch.Tensor) else g for g in grads]]
 
+    graph_task.prepare()  # (its carrier graph is made of real tensors: before any fake mode)
     with fake_mode:
         tangents = [torch.empty(meta.out_fakes[j].shape, dtype=meta.out_fakes[j].dtype,
                                 device=meta.out_fakes[j].device) for j in diff]
@@ -303,6 +340,29 @@ def output_deps(gm: torch.fx.GraphModule) -> list:
                 d = d | dep.get(a, empty)
             dep[n] = d
     return [dep.get(a, empty) if isinstance(a, torch.fx.Node) else empty for a in out_args]
+
+
+def save_old_values(fw_gm: torch.fx.GraphModule, n_fw: int, mutated: tuple) -> None:
+    """A forward saves an input it mutates (batch norm's running stats, which its backward node
+    takes): the backward was traced with the value before the mutation, which the caller writes into
+    the input after the forward; a clone of that value is saved instead."""
+    out = next(iter(fw_gm.graph.find_nodes(op="output")))
+    ph = list(fw_gm.graph.find_nodes(op="placeholder"))
+    targets = {ph[i] for i in mutated}
+    args = list(out.args[0])
+    clones: dict = {}
+    for k in range(n_fw, len(args)):
+        a = args[k]
+        if a in targets:
+            if a not in clones:
+                with fw_gm.graph.inserting_after(ph[-1]):
+                    c = fw_gm.graph.call_function(torch.ops.aten.clone.default, (a,))
+                c.meta = dict(a.meta)
+                clones[a] = c
+            args[k] = clones[a]
+    if clones:
+        out.args = (tuple(args),)
+        fw_gm.recompile()
 
 
 def partition(joint_gm: torch.fx.GraphModule, meta: JointMeta, compiler: str):
