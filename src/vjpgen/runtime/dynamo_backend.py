@@ -202,6 +202,7 @@ class CompiledGraph:
         b = _counters()
         b["compiles"][order] += 1
         cg = cls(fn, meta, fw, bw, tuple(bw_args), len(fw_out) - n_fw, order, compiler, label, fw_gm, bw_gm)
+        cg.saved_kinds = tuple(isinstance(a.meta.get("val"), torch.Tensor) for a in fw_out[n_fw:])
         n = meta.n_inputs
         # per output: the inputs it depends on; per grad: the tangents it depends on (a grad that
         # depends only on tangents that are undefined on a call is undefined, as in eager)
@@ -239,6 +240,14 @@ class CompiledGraph:
             return outs if isinstance(outs, tuple) else (outs,)
         n = len(self.meta.out_kinds)
         return tuple(self.fw(list(args))[:n])
+
+    def bw_inputs(self, tensors, others, tangents) -> list:
+        """The backward graph's arguments from the saved tensors, the other saved values (sizes)
+        and the tangents."""
+        it_t = iter(tensors)
+        it_o = iter(others)
+        saved = [next(it_t) if k else next(it_o) for k in self.saved_kinds]
+        return [saved[k] if kind == "saved" else tangents[k] for kind, k in self.bw_args]
 
     # -- the next order
 
@@ -287,10 +296,9 @@ class _BackendFn(torch.autograd.Function):
         box.extend(res[n_out:n_fw])
         saved = res[n_fw:]
         ctx.cg = cg
-        tensors = [s for s in saved if isinstance(s, torch.Tensor)]
-        ctx.save_for_backward(*tensors)
-        ctx.saved_kinds = [isinstance(s, torch.Tensor) for s in saved]
-        ctx.saved_other = [s for s in saved if not isinstance(s, torch.Tensor)]
+        kinds = cg.saved_kinds
+        ctx.save_for_backward(*[s for s, k in zip(saved, kinds) if k])
+        ctx.saved_other = [int(s) for s, k in zip(saved, kinds) if not k]
         # the inputs, for a create_graph backward (recomputed from them): plain references, with
         # their versions, so a first-order backward never unpacks (nor version-checks) them
         ctx.primals = args
@@ -318,11 +326,8 @@ class _BackendFn(torch.autograd.Function):
             tangents.append(g)
         if torch.is_grad_enabled():  # create_graph: the grads must be differentiable
             return (None, None, *_differentiable_backward(ctx, cg, tangents, gouts))
-        saved_t = iter(ctx.saved_tensors)
-        saved_o = iter(ctx.saved_other)
-        saved = [next(saved_t) if k else next(saved_o) for k in ctx.saved_kinds]
-        args = [saved[k] if kind == "saved" else tangents[k] for kind, k in cg.bw_args]
-        del saved, tangents
+        args = cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents)
+        del tangents
         if not torch._C._autograd._get_current_graph_task_keep_graph():
             ctx.primals = None
         grads = list(cg.bw(args)[:meta.n_inputs])
@@ -377,3 +382,51 @@ def _undefine(grads: list, deps, gouts, diff_outputs, offset: int) -> None:
     for k, d in enumerate(deps):
         if k < len(grads) and grads[k] is not None and not (d & defined):
             grads[k] = None
+
+
+class BackendFnModule:
+    """The generated-module interface of :class:`_BackendFn`'s node, for vjpgen's runtime
+    (``vjpgen.runtime.compiled_autograd()`` around a backward through a graph this backend
+    compiled): the node's first-order backward is the graph's backward module (aten ops), traced
+    into the runtime's region with the rest of its nodes. A create_graph call through it goes to
+    torch.autograd (``FIRST_ORDER_ONLY``, decide.create_graph_reason), which runs the Function's
+    own differentiable backward."""
+
+    NAME = "_BackendFnBackward"
+    SAVED = ("graph", "saved_tensors", "saved_sizes", "output_metadata")
+    SCHEMA = ("Any", "Tensor[]", "SymInt[]", "(SymInt[], ScalarType, Device)[]")
+    USES_EDGE_META = False
+    TRANSLATED = True
+    FIRST_ORDER_ONLY = True
+
+    def get_saved(self, node, edge_meta=None) -> list:
+        outs = tuple((tuple(s), dt, dev) for s, dt, dev in node.diff_meta)
+        return [node.cg, list(node.saved_tensors), list(node.saved_other), outs]
+
+    def get_needs(self, node, should_compute=None) -> tuple:
+        nf = node.next_functions
+        return tuple(nf[j][0] is not None and (should_compute is None or should_compute(j)) for j in range(len(nf)))
+
+    def get_state(self, node, should_compute=None) -> list:
+        return [self.get_needs(node, should_compute), *self.get_saved(node)]
+
+    def apply_functional(self, grads, needs_input_grad, cg, tensors, sizes, outs):
+        meta = cg.meta
+        gouts = [None] * len(meta.out_kinds)
+        tensor_outs = [j for j, k in enumerate(meta.out_kinds) if k == "tensor"]
+        for j, g in zip(tensor_outs, grads):
+            gouts[j] = g
+        tangents = [
+            torch.zeros(shape, dtype=dt, device=dev) if gouts[j] is None else gouts[j].contiguous()
+            for j, (shape, dt, dev) in zip(meta.diff_outputs, outs)
+        ]
+        res = list(cg.bw_gm(*cg.bw_inputs(tensors, sizes, tangents))[:meta.n_inputs])
+        _undefine(res, cg.bw_deps, gouts, meta.diff_outputs, 0)
+        per_edge = [res[i] for i in meta.tensor_inputs]  # one edge per tensor input
+        return [g if n else None for g, n in zip(per_edge, needs_input_grad)]
+
+    def apply_functional_ivalue(self, grads, stack):
+        return self.apply_functional(grads, *stack)
+
+
+_BackendFn.vjpgen_module = BackendFnModule()

@@ -30,6 +30,7 @@ from .. import native
 from . import saved as _saved
 from . import plan as plan_mod
 from .call_context import CallContext
+from .stats import STATS
 
 log = logging.getLogger("vjpgen")
 
@@ -123,9 +124,10 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
     plan = plan_mod.build_plan(nodes, metas, hooked, key, root_idx, tuple(targets), False, saved_groups)
     if plan.eager_reason is not None:
         raise Unsupported(plan.eager_reason)
-    live = [plan.infos[st.node] for st in plan.steps if isinstance(st, plan_mod.LiveStep)]
-    if live:
-        raise Unsupported(f"graph break at {live[0].name}: {live[0].live[1]}")
+    for st in plan.steps:  # nodes without a kernel (a custom Function's backward, ...): traced as they run
+        if isinstance(st, plan_mod.LiveStep):
+            info = plan.infos[st.node]
+            STATS.backend["own_backward_nodes"][f"{info.name}: {info.live[1]}"] += 1
     ctx = CallContext(None, False, Inline, None, create_graph)
     ctx.hooked = hooked
     # (each node's saved values are read once, as the engine reads them: a checkpointed region's
@@ -176,6 +178,7 @@ class JointMeta:
     nondiff_outputs: tuple  # tensor outputs that do not require grad
     mutated: tuple  # inputs whose data the function mutates (their new values follow the outputs)
     out_fakes: list = field(default_factory=list)
+    tensor_inputs: tuple = ()  # the inputs that are tensors
 
     @property
     def num_fwd_outputs(self) -> int:
@@ -239,7 +242,8 @@ def analyze(fn, fakes, fake_mode) -> JointMeta:
                 if len(in_storage.get(StorageWeakRef(a.untyped_storage()), ())) > 1:
                     raise Unsupported(f"input {i} is mutated and aliases another input")
                 mutated.append(i)
-    return JointMeta(len(fakes), rg, tuple(kinds), tuple(diff), tuple(nondiff), tuple(mutated), out_fakes)
+    tensor_inputs = tuple(i for i, f in enumerate(fakes) if isinstance(f, torch.Tensor))
+    return JointMeta(len(fakes), rg, tuple(kinds), tuple(diff), tuple(nondiff), tuple(mutated), out_fakes, tensor_inputs)
 
 
 def _tag_forward() -> None:

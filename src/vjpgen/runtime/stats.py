@@ -47,6 +47,9 @@ class _Stats:
             "compiles": Counter(),  # order -> graphs compiled with a backward from vjpgen's kernels
             "fallbacks": 0,  # graphs handed to torch's AOTAutograd (vjpgen could not build the joint)
             "fallback_reasons": Counter(),
+            # nodes of a joint with no vjpgen kernel (a custom Function's backward, a node without a
+            # generated module, hooks): their own backward was traced into the joint, "Class: reason"
+            "own_backward_nodes": Counter(),
         }
 
     def snapshot(self) -> dict:
