@@ -1,0 +1,561 @@
+"""``torch.compile(model, backend="vjpgen")`` (runtime/dynamo_backend.py) against eager: training
+steps of the bench's models at small sizes, higher-order workloads, checkpointing, autocast, dynamic
+shapes, hooks, the fallback to torch's AOTAutograd, and the runtime around a backend's backward.
+The inner compiler is ``aot_eager`` (the joint is still built from vjpgen's kernels and partitioned;
+no C++ build), except the two shared Inductor cases at the end."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import vjpgen.runtime as rt
+from examples import demo
+
+AOT = {"compiler": "aot_eager"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    rt.reset_stats()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled(fn, options=AOT, **kw):
+    return torch.compile(fn, backend="vjpgen", options=options, **kw)
+
+
+def _backend():
+    return rt.stats()["backend"]
+
+
+def _close(a, b, what, **tol):
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: eager {a is None and 'None' or 'a tensor'}, vjpgen {b is None and 'None' or 'a tensor'}"
+        return
+    torch.testing.assert_close(b, a, msg=lambda m: f"{what}: {m}", **tol)
+
+
+# ------------------------------------------------------------------------------------------
+# training steps: the bench's models at small sizes
+
+
+class GPTBlock(nn.Module):
+    """A GPT-style block: tied embedding, dropout, causal SDPA, GELU MLP."""
+
+    def __init__(self, vocab=40, dim=32, heads=4, p=0.1):
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.ln1, self.ln2, self.lnf = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, t):
+        B, L = t.shape
+        x = self.drop(self.emb(t))
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, -1)
+        q, k, v = (z.reshape(B, L, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, -1)
+        x = x + self.drop(self.proj(a))
+        x = x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+        return self.lnf(x) @ self.emb.weight.t()  # tied head
+
+
+def make_gpt():
+    torch.manual_seed(0)
+
+    def batch(step, bs=3):
+        g = torch.Generator().manual_seed(step)
+        t = torch.randint(0, 40, (bs, 10), generator=g)
+        return (t,)
+
+    def loss(m, t):
+        logits = m(t)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 40), t[:, 1:].reshape(-1))
+
+    return GPTBlock(), batch, loss
+
+
+def make_encoder():
+    from bench.bench_backward import Encoder
+
+    torch.manual_seed(0)
+    model = Encoder(vocab=50, dim=32, heads=4, layers=2, seq=12)
+
+    def batch(step, bs=2):
+        g = torch.Generator().manual_seed(step)
+        t = torch.randint(0, 50, (bs, 12), generator=g)
+        return t, torch.roll(t, -1, dims=1)
+
+    def loss(m, tokens, targets):
+        logits = m(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return model, batch, loss
+
+
+class CheckpointedMLP(nn.Module):
+    def __init__(self, ckpt=True):
+        super().__init__()
+        self.ckpt = ckpt
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3)])
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + (checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x))
+        return self.out(x)
+
+
+def make_checkpointed(ckpt=True):
+    torch.manual_seed(0)
+    return CheckpointedMLP(ckpt), (lambda s: (torch.randn(8, 16, generator=torch.Generator().manual_seed(s)),)), (
+        lambda m, x: m(x).pow(2).mean())
+
+
+MODELS = {
+    "mlp": demo.make_mlp,
+    "cnn": demo.make_cnn,  # batch norm (running stats mutated), dropout, max-pool
+    "transformer": demo.make_transformer,
+    "encoder": make_encoder,
+    "gpt": make_gpt,
+    "checkpoint": make_checkpointed,
+}
+
+
+def _train(make, steps=3, ctx=None, dynamic=None, options=AOT, batch_of=None):
+    """``steps`` SGD-with-momentum steps of eager and of the compiled model from the same weights
+    and the same RNG seed per step; parameters, buffers and losses must match after each."""
+    model, batch, loss_fn = make()
+    eager, mine = copy.deepcopy(model), copy.deepcopy(model)
+    compiled = _compiled(mine, options=options, dynamic=dynamic)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (eager, mine)]
+    for s in range(steps):
+        x = (batch_of or batch)(s)
+        losses = []
+        for m, opt in ((eager, opts[0]), (compiled, opts[1])):
+            torch.manual_seed(100 + s)  # dropout: aot_eager runs eager's kernels, the same masks
+            opt.zero_grad()
+            with ctx() if ctx else torch.enable_grad():
+                loss = loss_fn(m, *x)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        _close(losses[0], losses[1], f"loss at step {s}")
+        for (n, a), b in zip(eager.named_parameters(), mine.parameters()):
+            _close(a, b, f"{n} after step {s}")
+        for (n, a), b in zip(eager.named_buffers(), mine.buffers()):
+            _close(a, b, f"buffer {n} after step {s}")
+    return compiled, mine
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_training_steps_match_eager(name):
+    _train(MODELS[name])
+    b = _backend()
+    assert b["fallbacks"] == 0, b["fallback_reasons"]
+    assert b["compiles"] == {1: 1}  # one graph, compiled once (with its backward), reused
+
+
+def test_checkpointed_blocks_are_recomputed_not_saved():
+    """The checkpointed blocks' activations are recomputed in the backward: the forward saves
+    fewer tensors than the same model without checkpoint (torch's partitioner reads the recompute
+    tags the checkpoint left in the joint)."""
+    saved = {}
+    for ckpt in (True, False):
+        torch._dynamo.reset()
+        model, batch, loss_fn = make_checkpointed(ckpt)
+        c = _compiled(model)
+        loss = loss_fn(c, *batch(0))
+        saved[ckpt] = loss.grad_fn.next_functions[0][0]
+        node = loss.grad_fn
+        while not hasattr(node, "cg"):
+            node = node.next_functions[0][0]
+        saved[ckpt] = node.cg.n_saved
+    assert saved[True] < saved[False], saved
+
+
+def test_autocast_bfloat16():
+    _train(demo.make_mlp, ctx=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert _backend()["fallbacks"] == 0
+
+
+def test_dynamic_shapes_compile_at_most_twice():
+    model, batch, loss = demo.make_mlp()
+    _train(demo.make_mlp, steps=4, batch_of=lambda s: batch(s, bs=4 + 3 * s))
+    # dynamo's automatic dynamic shapes: static first, then one dynamic graph for every batch size
+    assert sum(_backend()["compiles"].values()) <= 2, _backend()
+
+
+def test_dynamic_true_compiles_once():
+    model, batch, loss = demo.make_mlp()
+    _train(demo.make_mlp, steps=3, dynamic=True, batch_of=lambda s: batch(s, bs=4 + 3 * s))
+    assert _backend()["compiles"] == {1: 1}
+
+
+# ------------------------------------------------------------------------------------------
+# higher order: the backward of a compiled graph is differentiable
+
+
+def _step_grads(params, step, args):
+    for p in params:
+        p.grad = None
+    loss = step(*args)
+    return [loss.detach()] + [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def _same_step(params, eager_step, compiled_step, args):
+    ref = _step_grads(params, eager_step, args)
+    got = _step_grads(params, compiled_step, args)
+    for k, (a, b) in enumerate(zip(ref, got)):
+        _close(a, b, "loss" if k == 0 else f"grad of parameter {k - 1}", rtol=1e-4, atol=1e-5)
+
+
+def _forcefield():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 32), nn.SiLU(), nn.Linear(32, 1))
+    centers = torch.linspace(0.5, 4.0, 8)
+
+    def energy(pos):
+        iu = torch.triu_indices(pos.shape[0], pos.shape[0], 1)
+        d = (pos[iu[0]] - pos[iu[1]]).pow(2).sum(-1).add(1e-6).sqrt()
+        return net(torch.exp(-((d[:, None] - centers) ** 2) * 4.0)).sum()
+
+    args = (torch.randn(9, 3) * 1.5, torch.randn(()), torch.randn(9, 3))
+    return list(net.parameters()), energy, args
+
+
+def _ff_step(energy):
+    def step(pos, e_ref, f_ref):
+        pos = pos.detach().requires_grad_()
+        e = energy(pos)
+        (g,) = torch.autograd.grad(e, pos, create_graph=True)
+        loss = (e - e_ref) ** 2 + 10.0 * ((-g - f_ref) ** 2).mean()
+        loss.backward()
+        return loss
+
+    return step
+
+
+def test_forcefield_energy_compiled_forces_outside():
+    params, energy, args = _forcefield()
+    _same_step(params, _ff_step(energy), _ff_step(_compiled(energy)), args)
+    b = _backend()
+    assert b["fallbacks"] == 0 and b["compiles"] == {1: 1, 2: 1}, b  # order 2: the vjp's own graph
+
+
+def test_forcefield_in_one_graph_with_trace_autograd_ops():
+    """With dynamo's ``trace_autograd_ops`` the ``torch.autograd.grad`` call stays in the graph:
+    energy and forces are one forward, expanded from vjpgen's kernels, and the step's backward one
+    compiled graph of order 2."""
+    params, energy, args = _forcefield()
+
+    def energy_forces(pos):
+        e = energy(pos)
+        (g,) = torch.autograd.grad(e, pos, create_graph=True)
+        return e, -g
+
+    def step_of(ef):
+        def step(pos, e_ref, f_ref):
+            pos = pos.detach().requires_grad_()
+            e, f = ef(pos)
+            loss = (e - e_ref) ** 2 + 10.0 * ((f - f_ref) ** 2).mean()
+            loss.backward()
+            return loss
+
+        return step
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        _same_step(params, step_of(energy_forces), step_of(_compiled(energy_forces)), args)
+    b = _backend()
+    assert b["graphs"] == 1 and b["compiles"] == {1: 1} and b["fallbacks"] == 0, b
+
+
+def test_wgan_gp_and_third_order():
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(6, 16), nn.LeakyReLU(0.2), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    cc = _compiled(critic)
+
+    def step_of(c):
+        def step(real, fake, eps):
+            x = (eps * real + (1 - eps) * fake).requires_grad_()
+            (g,) = torch.autograd.grad(c(x).sum(), x, create_graph=True)
+            gp = ((g.norm(2, dim=1) - 1) ** 2).mean()
+            # third order: a Hessian-vector product of the critic, differentiated to the weights
+            (h,) = torch.autograd.grad(gp, x, create_graph=True)
+            loss = c(fake).mean() - c(real).mean() + 10.0 * gp + h.pow(2).sum()
+            loss.backward()
+            return loss
+
+        return step
+
+    args = (torch.randn(8, 6) + 1, torch.randn(8, 6), torch.rand(8, 1))
+    _same_step(list(critic.parameters()), step_of(critic), step_of(cc), args)
+    assert _backend()["compiles"].get(3), _backend()
+
+
+def test_pinn_u_xx():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    bc = torch.tensor([[0.0], [1.0]])
+
+    def step_of(n):
+        def step(x):
+            x = x.detach().requires_grad_()
+            u = n(x)
+            (u_x,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+            (u_xx,) = torch.autograd.grad(u_x.sum(), x, create_graph=True)
+            res = -u_xx - math.pi**2 * torch.sin(math.pi * x)
+            loss = (res**2).mean() + (n(bc) ** 2).mean()
+            loss.backward()
+            return loss
+
+        return step
+
+    _same_step(list(net.parameters()), step_of(net), step_of(_compiled(net)), (torch.rand(16, 1),))
+
+
+def test_maml_inner_step_differentiated():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def f(w1, b1, w2, b2, x):
+        return torch.relu(x @ w1.t() + b1) @ w2.t() + b2
+
+    def step_of(fn):
+        def step(xs, ys, xq, yq):
+            params = list(net.parameters())
+            grads = torch.autograd.grad(((fn(*params, xs) - ys) ** 2).mean(), params, create_graph=True)
+            fast = [p - 0.1 * g for p, g in zip(params, grads)]
+            loss = ((fn(*fast, xq) - yq) ** 2).mean()
+            loss.backward()
+            return loss
+
+        return step
+
+    args = (torch.randn(8, 4), torch.randn(8, 1), torch.randn(8, 4), torch.randn(8, 1))
+    _same_step(list(net.parameters()), step_of(f), step_of(_compiled(f)), args)
+
+
+def test_grad_of_an_unreached_input_stays_none():
+    """A grad that no defined tangent reaches is None, as eager's (not zeros)."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+
+    def f(x):
+        return (x * w).sum(), (x + b).sum()
+
+    x = torch.randn(3)
+    for fn in (f, _compiled(f)):
+        w.grad = b.grad = None
+        e1, _ = fn(x)
+        e1.backward()
+        assert w.grad is not None and b.grad is None, fn
+
+
+# ------------------------------------------------------------------------------------------
+# semantics around the graph
+
+
+def test_param_hooks_run_as_in_eager():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    calls = []
+    for p in m.parameters():
+        p.register_hook(lambda g: calls.append(g.shape) or g * 2)
+    x = torch.randn(5, 4)
+    grads = []
+    for mod in (m, _compiled(m)):
+        calls.clear()
+        for p in m.parameters():
+            p.grad = None
+        mod(x).pow(2).sum().backward()
+        grads.append(([p.grad.clone() for p in m.parameters()], list(calls)))
+    for a, b in zip(grads[0][0], grads[1][0]):
+        _close(a, b, "hooked grad")
+    assert sorted(map(tuple, grads[0][1])) == sorted(map(tuple, grads[1][1]))
+
+
+def test_no_grad_call_compiles_the_forward_only():
+    m = nn.Linear(4, 2)
+    c = _compiled(m)
+    with torch.no_grad():
+        y = c(torch.randn(3, 4))
+    assert not y.requires_grad
+    b = _backend()
+    assert b["inference_graphs"] == 1 and not b["compiles"], b
+
+
+def test_retain_graph_and_freed_graph_errors_as_eager():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    c = _compiled(m)
+    x = torch.randn(2, 4)
+    y = c(x).sum()
+    y.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward()
+    y = c(x).sum()
+    y.backward(retain_graph=True)
+    y.backward()  # retained: works, accumulates
+
+
+def test_create_graph_after_an_inplace_change_of_an_input_raises():
+    """A create_graph backward recomputes the graph from its inputs: an input changed in place
+    since the forward raises (as eager raises for a saved input), never a silently wrong grad."""
+    w = torch.randn(3, requires_grad=True)
+
+    def f(x, w):
+        return (x * w).sum()
+
+    x = torch.randn(3, requires_grad=True)
+    xx = x * 1.0
+    out = _compiled(f)(xx, w)
+    with torch.no_grad():
+        xx.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, w, create_graph=True)
+
+
+def test_fallback_to_aot_autograd_is_counted_and_matches_eager():
+    """A graph whose output aliases an input (a view of it) goes to torch's AOTAutograd, counted
+    with its reason; its grads are still eager's."""
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def f(x):
+        return x.t(), (x * 2).sin().sum()
+
+    grads = []
+    for fn in (f, _compiled(f)):
+        x.grad = None
+        a, s = fn(x)
+        (a.sum() + s).backward()
+        grads.append(x.grad.clone())
+    _close(grads[0], grads[1], "x.grad")
+    b = _backend()
+    assert b["fallbacks"] == 1 and "output 0 aliases an input" in b["fallback_reasons"], b
+
+
+def test_custom_function_backward_is_traced_as_it_is():
+    """A custom autograd.Function dynamo captures has no vjpgen kernel: its own backward is traced
+    into the joint (counted), the graph stays compiled."""
+
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x**3
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 3 * x * x * g
+
+    def f(x):
+        return Cube.apply(x.sin()).sum()
+
+    x = torch.randn(5, requires_grad=True)
+    grads = []
+    for fn in (f, _compiled(f)):
+        x.grad = None
+        fn(x).backward()
+        grads.append(x.grad.clone())
+    _close(grads[0], grads[1], "x.grad")
+    b = _backend()
+    assert b["fallbacks"] == 0 and b["own_backward_nodes"], b
+
+
+def test_runtime_around_a_backend_backward():
+    """``vjpgen.runtime.compiled_autograd()`` around the backward of a backend-compiled model: the
+    graph's first-order backward is traced into the runtime's region (no graph break); a
+    create_graph backward through it runs the graph's own differentiable backward."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    c = _compiled(m)
+    x = torch.randn(5, 4)
+    grads = []
+    for mod, ctx in ((m, None), (c, rt.compiled_autograd("aot_eager"))):
+        for p in m.parameters():
+            p.grad = None
+        loss = mod(x).pow(2).sum() * 0.5
+        if ctx is None:
+            loss.backward()
+        else:
+            with ctx:
+                loss.backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        _close(a, b, "grad")
+    st = rt.stats()
+    assert st["graph_breaks"] == 0, st["graph_break_reasons"]
+    assert st["compiles"] == 1 and st["eager_fallbacks"] == 0
+    params, energy, args = _forcefield()
+
+    def under_runtime(step):
+        def run(*a):
+            with rt.compiled_autograd("aot_eager"):
+                return step(*a)
+
+        return run
+
+    _same_step(params, _ff_step(energy), under_runtime(_ff_step(_compiled(energy))), args)
+
+
+def test_unknown_option_is_one_clear_error():
+    with pytest.raises(Exception, match="unknown option"):
+        _compiled(nn.Linear(2, 2), options={"compilr": "inductor"})(torch.randn(1, 2))
+
+
+# ------------------------------------------------------------------------------------------
+# Inductor (shared: two joints, four C++ compiles)
+
+
+def test_inductor_training_and_dropout_masks():
+    """Inductor's random numbers are not eager's (as torch.compile documents): the dropout mask of
+    the forward is the one its backward uses (saved, never recomputed)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+
+    def f(x):
+        return F.dropout(lin(x), 0.5, training=True)
+
+    x = torch.randn(8, 16, requires_grad=True)
+    y = _compiled(f, options=None)(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    kept = (y != 0).float()  # where the mask kept an element (output scaled by 2)
+    _close(lin.weight.grad, (g * kept * 2).t() @ x.detach(), "weight grad through the kept elements", rtol=1e-4,
+           atol=1e-5)
+    assert _backend()["compiles"] == {1: 1}
+
+
+def test_inductor_forcefield_in_one_graph():
+    params, energy, args = _forcefield()
+
+    def energy_forces(pos):
+        e = energy(pos)
+        (g,) = torch.autograd.grad(e, pos, create_graph=True)
+        return e, -g
+
+    def step_of(ef):
+        def step(pos, e_ref, f_ref):
+            pos = pos.detach().requires_grad_()
+            e, f = ef(pos)
+            loss = (e - e_ref) ** 2 + 10.0 * ((f - f_ref) ** 2).mean()
+            loss.backward()
+            return loss
+
+        return step
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        _same_step(params, step_of(energy_forces), step_of(_compiled(energy_forces, options=None)), args)
