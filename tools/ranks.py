@@ -102,3 +102,14 @@ def run(fn, *args, world_size: int = 2, timeout: float = 120.0, pg_timeout: floa
     if errors:
         raise AssertionError("\n".join(errors))
     return out
+
+
+def results_fixture(fn, cases, timeout: float = 200.0):
+    """A module-scoped pytest fixture named ``results``: ``run(fn, list(cases), timeout=timeout)``,
+    once for all the cases of a test file (each rank runs every case in one job)."""
+    import pytest
+
+    def results():
+        return run(fn, list(cases), timeout=timeout)
+
+    return pytest.fixture(scope="module", name="results")(results)

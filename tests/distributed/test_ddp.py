@@ -10,9 +10,7 @@ from .ddp_cases import CASES, run_cases
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture(scope="module")
-def results():
-    return ranks.run(run_cases, list(CASES), timeout=200)
+results = ranks.results_fixture(run_cases, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
