@@ -91,20 +91,19 @@ def _compile(model):
     return torch.compile(model, backend="vjpgen", options=AOT)
 
 
-def _ddp(compiled=False, compile_inner=False):
+def _ddp(compiled=False, compile_inner=False, buckets=False):
     """A DDP-wrapped MLP and its parameters; ``compiled``: the DDP module compiled (as users do);
     ``compile_inner``: the module compiled in place, then wrapped (torch's docs' way). One DDP
-    bucket (25 MiB): dynamo's DDPOptimizer hands the whole graph to the backend. (A model it
-    splits into several buckets is not here: DDPOptimizer sets the TracingContext's
-    ``fakify_first_call`` around the backend, which the backend's own AOTAutograd compiles then
-    see, and the compile fails.)"""
+    bucket (25 MiB): dynamo's DDPOptimizer hands the whole graph to the backend; ``buckets``: 1 MiB
+    buckets over 512-wide layers, which DDPOptimizer splits the graph at (one backend call per
+    piece, with its ``fakify_first_call`` set around each)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
-    m = MLP(16)
+    m = MLP(512 if buckets else 16)
     if compile_inner:
         m.compile(backend="vjpgen", options=AOT)
-    d = DDP(m)
+    d = DDP(m, bucket_cap_mb=1) if buckets else DDP(m)
     return (_compile(d) if compiled else d), list(m.parameters())
 
 
@@ -133,6 +132,8 @@ CASES = {
     "ddp": dict(make=_ddp, compiled=dict(compiled=True), graphs=1),
     "ddp_compile_inner": dict(make=_ddp, compiled=dict(compile_inner=True), graphs=1),
     "ddp_runtime_backward": dict(make=_ddp, compiled=dict(compiled=True), runtime=True, graphs=1),
+    # DDPOptimizer's split: three pieces, each compiled by the backend
+    "ddp_buckets": dict(make=_ddp, eager=dict(buckets=True), compiled=dict(compiled=True, buckets=True), graphs=3),
     # the code between the sharded modules: one graph per block's activation
     "fsdp2": dict(make=_fsdp2, compiled=dict(compiled=True), graphs=3),
     "fsdp2_compiled_blocks": dict(make=_fsdp2, compiled=dict(compile_blocks=True), graphs=3),

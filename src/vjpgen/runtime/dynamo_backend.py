@@ -24,6 +24,7 @@ Options (``torch.compile(..., options={...})``): ``"compiler"``: ``"inductor"`` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -143,6 +144,24 @@ def _decompositions(compiler: str):
     return {}
 
 
+@contextlib.contextmanager
+def _own_tracing_context(fake_mode):
+    """The inner compiles of the forward and backward graphs in a tracing context of their own
+    (dynamo's fake mode, so its ShapeEnv: a size the compile specializes is guarded by dynamo):
+    what dynamo's context holds for the graph it hands the backend (DDPOptimizer's
+    ``fakify_first_call``, its AOTAutograd metadata) is not theirs. To DDPOptimizer they are not
+    an AOTAutograd call of its own (it would call the backend's function with fake tensors and
+    expect AOTAutograd's metadata): its count of those is left as it was."""
+    from torch._dynamo.utils import counters
+
+    before = counters["aot_autograd"]["total"]
+    try:
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            yield
+    finally:
+        counters["aot_autograd"]["total"] = before
+
+
 def _placeholder_vals(gm) -> list:
     return [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
 
@@ -197,8 +216,9 @@ class CompiledGraph:
                 else:
                     raise joint.Unsupported(f"the partitioned backward reads {p.name}, which the forward does not save")
             what = f"{label} (order {order})"
-            fw = capture.compile_graph(fw_gm, list(fakes), compiler, f"the forward of {what}")
-            bw = capture.compile_graph(bw_gm, _placeholder_vals(bw_gm), compiler, f"the backward of {what}")
+            with _own_tracing_context(fake_mode):
+                fw = capture.compile_graph(fw_gm, list(fakes), compiler, f"the forward of {what}")
+                bw = capture.compile_graph(bw_gm, _placeholder_vals(bw_gm), compiler, f"the backward of {what}")
         b = _counters()
         b["compiles"][order] += 1
         cg = cls(fn, meta, fw, bw, tuple(bw_args), len(fw_out) - n_fw, order, compiler, label, fw_gm, bw_gm)
