@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from . import capture, decide, engine, graph_task, higher_order, hooks, kernels, leaves, walk
+from . import capture, decide, engine, graph_task, higher_order, hooks, kernels, leaves, torchscript, walk
 from .. import native
 from . import plan as plan_mod
 from . import saved as _saved
@@ -134,6 +134,8 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
               grads_made=False):
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
+    if not torchscript._done:
+        torchscript.plain_autodiff()
     STATS.backward_calls += 1
     reason = decide.call_fallback((*outputs, *(inputs or ())))
     if reason is not None:
@@ -599,6 +601,7 @@ def compiled_autograd(backend="inductor"):
     (``from torch.autograd import grad``) are covered too."""
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
+    torchscript.plain_autodiff()  # (once: later scripted forwards record per-op nodes)
     st = _stack()
     st.append(backend)
     _install()

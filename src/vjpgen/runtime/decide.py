@@ -52,7 +52,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import custom_function, sparse
+from . import custom_function, sparse, torchscript
 from . import saved as _saved
 
 _Tensor = torch.Tensor
@@ -110,6 +110,9 @@ def _no_module(v: NodeView):
     if info.is_acc or info.pyfunc:
         return None
     if info.module is None:
+        if info.name == "CppFunction" and torchscript.is_fused_node(v.node):
+            return ("TorchScript's fused autodiff node (DifferentiableGraphBackward, no kernel): scripted code "
+                    "TorchScript optimized before vjpgen's first backward; later scripted code records per-op nodes")
         return "no generated module"
     return None
 

@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from . import capture, joint
+from . import capture, joint, torchscript
 from .stats import STATS
 
 log = logging.getLogger("vjpgen")
@@ -69,6 +69,7 @@ def _parse_options(options, mode) -> dict:
 def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode=None):
     """The ``vjpgen`` backend (entry point ``torch_dynamo_backends``): see the module docstring."""
     opts = _parse_options(options, mode)
+    torchscript.plain_autodiff()  # (scripted functions dynamo inlines; the rest run per-op nodes)
     b = _counters()
     b["graphs"] += 1
     wants_grad = torch.is_grad_enabled() and any(
