@@ -19,7 +19,7 @@ def _swish_py(x: torch.Tensor) -> torch.Tensor:
 
 def _script(obj):
     with warnings.catch_warnings():  # (torch 2.13 deprecates torch.jit.script; models still use it)
-        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*torch.jit.script. is deprecated")
         return torch.jit.script(obj)
 
 

@@ -191,6 +191,7 @@ class CompiledGraph:
     @classmethod
     def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str):
         """Trace, partition and compile; None when no output requires grad."""
+        joint.prepare()
         meta = joint.analyze(fn, fakes, fake_mode)
         if not meta.diff_outputs:
             return None

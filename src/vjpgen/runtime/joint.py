@@ -77,6 +77,16 @@ class Inline:
         engine.scatter_outputs(outs, engine._out_table(region, entry), buf, ctx.protected)
 
 
+def prepare() -> None:
+    """What a trace must not do under its fake and functional modes, done before: this thread's
+    graph-task carrier (real tensors), and the generated package's first load (for another torch
+    release than the committed one it is generated and verified against live nodes then)."""
+    from . import kernels
+
+    graph_task.prepare()
+    kernels.get_module("MulBackward0")
+
+
 def _edge(t: torch.Tensor):
     e = torch.autograd.graph.get_gradient_edge(t)
     return e.node, e.output_nr
@@ -305,7 +315,7 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
             fw = [from_fun(o) if isinstance(o, torch.Tensor) else o for o in (*outs, *new_vals)]
             return [*fw, *[from_fun(g) if isinstance(g, torch.Tensor) else g for g in grads]]
 
-    graph_task.prepare()  # (its carrier graph is made of real tensors: before any fake mode)
+    prepare()
     with fake_mode:
         tangents = [torch.empty(meta.out_fakes[j].shape, dtype=meta.out_fakes[j].dtype,
                                 device=meta.out_fakes[j].device) for j in diff]
