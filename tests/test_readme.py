@@ -46,9 +46,9 @@ def test_quick_start_runs_and_trains_like_eager(capsys):
         torch.testing.assert_close(p, q)
 
 
-def test_two_modes_block_runs_with_torch_compiled_autograd(capsys):
+def test_three_modes_block_runs_with_torch_compiled_autograd(capsys):
     setup = _small(_block("Quick start"))
-    code = _block("Two modes").replace('torch_compiled_autograd("inductor")', 'torch_compiled_autograd("aot_eager")')
+    code = _block("Three modes").replace('torch_compiled_autograd("inductor")', 'torch_compiled_autograd("aot_eager")')
     code = code.replace("range(100)", "range(2)")
     assert "torch_compiled_autograd" in code
     rt.reset_compiled_autograd_kernel_stats()
@@ -56,3 +56,23 @@ def test_two_modes_block_runs_with_torch_compiled_autograd(capsys):
     _run(setup + "\n" + code)
     s = rt.compiled_autograd_kernel_stats()
     assert {"AddmmBackward0", "ReluBackward0"} <= set(s["vjpgen"]) and not s["torch_kernel"], s
+
+
+def test_backend_quick_start_runs_and_trains_like_eager(capsys):
+    """The second quick start (the vjpgen torch.compile backend, a force field with the grad call
+    inside the compiled function) with aot_eager and 3 steps: the same parameters as the same loop
+    without torch.compile."""
+    heading = 'Quick start: the whole step compiled, `torch.compile(model, backend="vjpgen")`'
+    code = _block(heading)
+    for old, new in (('"compiler": "inductor"', '"compiler": "aot_eager"'), ("range(100)", "range(3)")):
+        assert old in code, f"the backend quick start changed: {old!r} not found; update tests/test_readme.py"
+        code = code.replace(old, new)
+    torch._dynamo.reset()
+    rt.reset_stats()
+    ours = _run(code)
+    assert "graphs compiled by order {1: 1}" in capsys.readouterr().out  # one graph, energy and forces
+    eager_code = code.replace('torch.compile(energy_forces, backend="vjpgen", options=options)', "energy_forces")
+    assert eager_code != code
+    eager = _run(eager_code)
+    for p, q in zip(ours["net"].parameters(), eager["net"].parameters()):
+        torch.testing.assert_close(p, q)
