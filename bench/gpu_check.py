@@ -13,7 +13,11 @@ inside ``--budget`` seconds (default 390: with the machine's start-up, under 8 m
 3. a CUDA slice of the conformance harness: generated kernels against the live C++ node on CUDA
    tensors (``vjpgen.codegen.verify.check_node``, OpInfo samples of :data:`CONFORMANCE_OPS` in
    float32 on ``cuda``);
-4. the real-library bench models on CUDA (bench/bench_models.py: GPT-2, LLaMA-style, ViT,
+4. the ``vjpgen`` torch.compile backend on CUDA (:func:`backend_check`: Inductor's Triton kernels;
+   a training step's grads and a force field compiled in one graph, to order 2, against eager's;
+   steady step times of eager, torch.compile and the backend), then the backend's test file on this
+   machine's torch (a release other than the development one: the backend's torch internals there);
+5. the real-library bench models on CUDA (bench/bench_models.py: GPT-2, LLaMA-style, ViT,
    ResNet-18 and channels_last) vs eager and torch.compile, until the budget is spent; the models
    not reached are listed.
 
@@ -50,6 +54,78 @@ CONFORMANCE_OPS = (
     "index_select", "where",
 )
 MODELS = "gpt2,llama,vit,resnet18,resnet18-cl"
+
+
+def backend_check(device: str = "cuda") -> dict:
+    """The vjpgen backend on ``device``: grads of a training step (transformer block) and of a force
+    field whose forces are computed inside the compiled graph (order 2), against eager's; steady step
+    times of eager, torch.compile and the backend (median of interleaved rounds)."""
+    import statistics
+
+    import torch
+
+    sys.path[:0] = [str(ROOT)]
+    from examples import demo
+
+    import vjpgen.runtime as rt
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    out: dict = {"grads": {}, "ms": {}}
+
+    def rel(a, b):
+        return float((a - b).abs().max() / (b.abs().max() + 1e-12))
+
+    model, batch, loss_fn = demo.make_transformer(device)
+    x = batch(0)
+    runs = {"eager": model, "torch.compile": torch.compile(model), "vjpgen": torch.compile(model, backend="vjpgen")}
+    grads = {}
+    for k, m in runs.items():
+        model.zero_grad(set_to_none=True)
+        loss_fn(m, *x).backward()
+        grads[k] = [p.grad.clone() for p in model.parameters()]
+    out["grads"]["transformer step"] = max(rel(a, b) for a, b in zip(grads["vjpgen"], grads["eager"]))
+
+    def step_of(m):
+        def step():
+            model.zero_grad(set_to_none=True)
+            loss_fn(m, *x).backward()
+        return step
+
+    steps = {k: step_of(m) for k, m in runs.items()}
+    ts: dict = {k: [] for k in steps}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(10):
+        for k, f in steps.items():
+            sync()
+            t = time.perf_counter()
+            for _ in range(10):
+                f()
+            sync()
+            ts[k].append((time.perf_counter() - t) * 100)
+    out["ms"]["transformer step"] = {k: round(statistics.median(v), 3) for k, v in ts.items()}
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.SiLU(), torch.nn.Linear(64, 64), torch.nn.SiLU(),
+                              torch.nn.Linear(64, 1)).to(device)
+
+    def energy_forces(pos):
+        e = net(pos).sum()
+        (g,) = torch.autograd.grad(e, pos, create_graph=True)
+        return e, -g
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        cef = torch.compile(energy_forces, backend="vjpgen")
+        pos = torch.randn(64, 16, device=device)
+        grads = {}
+        for k, f in (("eager", energy_forces), ("vjpgen", cef)):
+            net.zero_grad(set_to_none=True)
+            e, fo = f(pos.clone().requires_grad_())
+            (e + fo.pow(2).sum()).backward()
+            grads[k] = [p.grad.clone() for p in net.parameters()]
+    out["grads"]["force field (one graph, order 2)"] = max(rel(a, b) for a, b in zip(grads["vjpgen"], grads["eager"]))
+    out["backend"] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in rt.stats()["backend"].items()}
+    return out
 
 
 def conformance_slice(max_samples: int = 2, device: str = "cuda") -> dict:
@@ -107,13 +183,17 @@ def _run(cmd, timeout, env=None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=float, default=390.0, help="seconds for all steps together")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for all steps together")
     ap.add_argument("--conformance-slice", action="store_true", help=argparse.SUPPRESS)  # step 3's subprocess
+    ap.add_argument("--backend-check", action="store_true", help=argparse.SUPPRESS)  # step 4's subprocess
     ap.add_argument("--out", default=str(RESULTS / "gpu.md"))
     a = ap.parse_args(argv)
     t0 = time.time()
     if a.conformance_slice:
         print(json.dumps(conformance_slice()))
+        return 0
+    if a.backend_check:
+        print(json.dumps(backend_check()))
         return 0
 
     def log(msg):
@@ -161,6 +241,20 @@ def main(argv=None) -> int:
             break
     log(f"conformance: rc {steps['conformance']['rc']} ({steps['conformance']['seconds']:.0f}s)")
 
+    log("vjpgen backend on CUDA")
+    steps["backend"] = _run([py, str(Path(__file__)), "--backend-check"], min(90, left() - 160), env)
+    backend = None
+    for line in reversed(steps["backend"]["tail"].splitlines()):
+        if line.startswith("{"):
+            backend = json.loads(line)
+            break
+    log(f"backend: rc {steps['backend']['rc']} ({steps['backend']['seconds']:.0f}s)")
+    log("the backend's tests on this machine's torch")
+    steps["backend tests"] = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                                   "tests/runtime/test_dynamo_backend.py", "tests/runtime/test_torchscript.py"],
+                                  min(150, left() - 60), env)
+    log(f"backend tests: rc {steps['backend tests']['rc']} ({steps['backend tests']['seconds']:.0f}s)")
+
     log("bench models on CUDA")
     tmp = Path(tempfile.mkdtemp(prefix="vjpgen-gpu-"))
     models_md = tmp / "gpu-models.md"
@@ -187,6 +281,18 @@ def main(argv=None) -> int:
             L += ["", "Mismatched or raised:", ""] + [f"- {f}" for f in conf["failures"][:40]]
     else:
         L += ["```", steps["conformance"]["tail"][-2500:].strip(), "```"]
+    L += ["", "## The vjpgen backend on CUDA", ""]
+    if backend:
+        L.append("Largest relative grad difference against eager (float32, TF32 off): "
+                 + ", ".join(f"{k} {v:.1e}" for k, v in backend["grads"].items()) + ".")
+        for k, v in backend["ms"].items():
+            L.append(f"Steady {k}, ms (median of 10 interleaved rounds of 10): "
+                     + ", ".join(f"{m} {t}" for m, t in v.items()) + ".")
+        L.append(f"Backend counters: {backend['backend']}.")
+    else:
+        L += ["```", steps["backend"]["tail"][-2500:].strip(), "```"]
+    L += ["", f"Backend tests on this machine's torch: `{steps['backend tests']['cmd'].replace(py, 'python')}`", "",
+          "```", steps["backend tests"]["tail"][-1500:].strip(), "```"]
     L += ["", "## Real-library models on CUDA", ""]
     if models_md.exists():
         body = models_md.read_text().split("\n", 1)[1]

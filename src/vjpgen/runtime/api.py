@@ -576,11 +576,9 @@ def _patched_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_gra
     ``torch.autograd.grad`` (however it was imported: ``from torch.autograd import grad``) and
     ``Tensor.backward`` all arrive, with their arguments parsed (generators, dicts, GradientEdges)
     and the root grads made by torch. Inside a block, the call runs through vjpgen."""
-    if getattr(_local, "expanding", 0) and not _local_bypass():  # a joint's trace (runtime/joint.py)
-        from . import joint
-
-        return joint.engine_call(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable,
-                                 accumulate_grad)
+    ex = getattr(_local, "expanders", None)
+    if ex and not _local_bypass():  # a joint's trace (runtime/joint.py)
+        return ex[-1](t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
     st = _stack()
     if not st or _local_bypass() or kwargs or _foreign(t_outputs, inputs):
         return _orig_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_graph, inputs,
@@ -642,15 +640,19 @@ def _uninstall() -> None:
 
 
 @contextlib.contextmanager
-def expanding():
-    """Within (on this thread): a ``torch.autograd.grad`` that reaches torch's engine — from any
-    spelling, inside a function a joint traces (runtime/joint.py) — is expanded with vjpgen's
-    kernels on the traced tensors (:func:`vjpgen.runtime.joint.engine_call`) instead of running
-    torch's C++ nodes. Used by the ``vjpgen`` torch.compile backend while it traces."""
-    _local.expanding = getattr(_local, "expanding", 0) + 1
+def expanding(handler):
+    """Within (on this thread): a backward that reaches torch's engine — from any spelling, inside a
+    function a joint traces — is ``handler(t_outputs, grad_tensors, keep_graph, create_graph, inputs,
+    allow_unreachable, accumulate_grad)`` instead (the ``vjpgen`` torch.compile backend passes
+    :func:`vjpgen.runtime.joint.engine_call`, which expands it with vjpgen's kernels on the traced
+    tensors rather than running torch's C++ nodes)."""
+    stack = getattr(_local, "expanders", None)
+    if stack is None:
+        stack = _local.expanders = []
+    stack.append(handler)
     _install()
     try:
         yield
     finally:
-        _local.expanding -= 1
+        stack.pop()
         _uninstall()

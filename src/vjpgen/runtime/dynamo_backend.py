@@ -30,7 +30,7 @@ import threading
 
 import torch
 
-from . import capture, joint, torchscript
+from . import api, capture, joint, torchscript
 from .stats import STATS
 
 log = logging.getLogger("vjpgen")
@@ -192,11 +192,15 @@ class CompiledGraph:
     def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str):
         """Trace, partition and compile; None when no output requires grad."""
         joint.prepare()
-        meta = joint.analyze(fn, fakes, fake_mode)
+        # a torch.autograd.grad inside the graph (dynamo's trace_autograd_ops; every vjp graph)
+        # is expanded with vjpgen's kernels while tracing
+        with api.expanding(joint.engine_call):
+            meta = joint.analyze(fn, fakes, fake_mode)
         if not meta.diff_outputs:
             return None
         with capture.LOCK:
-            gm = joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
+            with api.expanding(joint.engine_call):
+                gm = joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
             deps = joint.output_deps(gm)
             fw_gm, bw_gm = joint.partition(gm, meta, compiler)
             n_fw = meta.num_fwd_outputs

@@ -10,10 +10,10 @@ kind: a region's generated kernels are called on the traced tensors themselves, 
 land in the joint, tagged with their node class. Nothing is compiled here.
 
 ``torch.autograd.grad`` calls *inside* a traced function (dynamo keeps them in its graph with
-``torch._dynamo.config.trace_autograd_ops``; the vjp of an earlier order always has one) are
-expanded the same way (:func:`vjpgen.runtime.api.expanding`), with ``create_graph`` honoured: the
-kernels' ops are recorded by autograd again, so the next order's joint differentiates them with the
-kernels of their own aten ops.
+``torch._dynamo.config.trace_autograd_ops``) are expanded the same way: the caller traces within
+``vjpgen.runtime.api.expanding(engine_call)``, which routes them to :func:`engine_call`, with
+``create_graph`` honoured: the kernels' ops are recorded by autograd again, so the next order's
+joint differentiates them with the kernels of their own aten ops.
 """
 
 from __future__ import annotations
@@ -159,8 +159,8 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
 
 
 def engine_call(t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad):
-    """``torch.autograd.graph._engine_run_backward`` while a joint is traced (see
-    :func:`vjpgen.runtime.api.expanding`): a ``torch.autograd.grad`` inside the traced function."""
+    """The handler of ``vjpgen.runtime.api.expanding`` while a joint is traced: a
+    ``torch.autograd.grad`` inside the traced function, expanded with the kernels."""
     if accumulate_grad:
         raise Unsupported("Tensor.backward / torch.autograd.backward inside the compiled function")
     if not inputs:
@@ -221,7 +221,7 @@ def analyze(fn, fakes, fake_mode) -> JointMeta:
         for i, a in enumerate(fargs):
             if isinstance(a, torch.Tensor):
                 in_storage.setdefault(StorageWeakRef(a.untyped_storage()), []).append(i)
-        with torch.enable_grad(), expanding():
+        with torch.enable_grad():
             outs = _as_tuple(fn(*fargs))
         kinds, diff, nondiff, out_fakes = [], [], [], []
         for j, o in enumerate(outs):
@@ -300,7 +300,7 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
         with FunctionalTensorMode():
             fp = [to_fun(p) for p in primals]
             ft = [to_fun(t) for t in tangents]
-            with torch.enable_grad(), expanding():
+            with torch.enable_grad():
                 outs = _as_tuple(fn(*fp))
             _tag_forward()
             wrt = [p for p, r in zip(fp, rg) if r]
@@ -408,9 +408,3 @@ def vjp_fn(fn, n_args: int, wrt: tuple, diff_outputs: tuple):
 
     return vjp
 
-
-def expanding():
-    """See :func:`vjpgen.runtime.api.expanding` (imported lazily: api imports the runtime)."""
-    from .api import expanding as _expanding
-
-    return _expanding()
