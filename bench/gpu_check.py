@@ -250,7 +250,8 @@ def main(argv=None) -> int:
             break
     log(f"backend: rc {steps['backend']['rc']} ({steps['backend']['seconds']:.0f}s)")
     log("the backend's tests on this machine's torch")
-    steps["backend tests"] = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+    steps["backend tests"] = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging", "-x",
+                                   "--tb=short",
                                    "tests/runtime/test_dynamo_backend.py", "tests/runtime/test_torchscript.py"],
                                   min(150, left() - 60), env)
     log(f"backend tests: rc {steps['backend tests']['rc']} ({steps['backend tests']['seconds']:.0f}s)")

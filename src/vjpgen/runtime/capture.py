@@ -434,8 +434,10 @@ def direct_call(call, source: str, n_args: int):
     from torch._C._dynamo.eval_frame import set_eval_frame
 
     unread = unread_inputs(source, n_args)
-    # the C++ wrapper's Python glue turns every non-tensor argument into a tensor: give it one
-    stand_in = _STAND_IN if _CPP_MOVE.search(source) else None
+    # a tensor in their place: the C++ wrapper's Python glue turns every argument into a tensor,
+    # and on CUDA Inductor's wrapper checks every input's alignment (an assert on None there was the
+    # first CUDA run's crash)
+    stand_in = _STAND_IN
 
     def run(args):
         for j in unread:  # let go of them now: see unread_inputs
