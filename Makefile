@@ -60,6 +60,8 @@ tt-venv:
 
 test-torch: tt-venv
 	$(TT_PY) -m tests.release_check $(RELEASE_CHECK_ARGS)
+	$(TT_PY) -m pytest -q -p no:cacheprovider tests/runtime/test_dynamo_backend.py tests/runtime/test_torchscript.py \
+	  tests/distributed/test_backend_distributed.py
 	$(TT_PY) -m examples.demo
 
 # make port-start TORCH=2.16.0: start porting a new release (docs/releases.md): its throwaway venv,
@@ -101,7 +103,7 @@ bench: $(STAMP) bench-deps bench-generate
 # which the device tool carries; there `make gpu-check` (or `bash bench/gpu_check.sh`) installs them
 # and vjpgen offline and writes bench/results/gpu.md. Without CUDA it stops at the first CUDA call.
 GPU_PY ?= 3.12
-GPU_WHEELS := black==26.10.1 platformdirs==4.14.9 pytokens==0.4.1
+GPU_WHEELS := black==26.10.1 platformdirs==4.14.9 pytokens==0.4.1 expecttest==0.3.0
 gpu-wheels:
 	rm -rf .whl && mkdir -p .whl
 	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
