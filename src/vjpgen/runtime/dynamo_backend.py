@@ -355,7 +355,10 @@ class _BackendFn(torch.autograd.Function):
         args = cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents)
         del tangents
         if not torch._C._autograd._get_current_graph_task_keep_graph():
+            # the compiled backward holds the only references to what it reads and frees each
+            # saved tensor after its last use (as AOTAutograd's compiled backward does)
             ctx.primals = None
+            ctx.maybe_clear_saved_tensors()
         grads = list(cg.bw(args)[:meta.n_inputs])
         _undefine(grads, cg.bw_deps, gouts, meta.diff_outputs, 0)
         return (None, None, *grads)
