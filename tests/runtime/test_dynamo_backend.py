@@ -561,3 +561,22 @@ def test_inductor_forcefield_in_one_graph():
 
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         _same_step(params, step_of(energy_forces), step_of(_compiled(energy_forces, options=None)), args)
+
+
+def test_backward_frees_saved_activations_as_it_goes():
+    """The Function lets go of its saved tensors before the compiled backward runs, which frees
+    each after its last use: the backward's peak is torch.compile's (both with aot_eager), not
+    every activation held to the end (6x on this model before)."""
+    from tools.memory import peak_backward_bytes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(6)], nn.Linear(256, 1))
+    x = torch.randn(64, 256)
+    peaks = {}
+    for name, backend, opts in (("torch", "aot_eager", None), ("vjpgen", "vjpgen", AOT)):
+        m = copy.deepcopy(model)
+        c = torch.compile(m, backend=backend, options=opts)
+        c(x).sum().backward()  # compile
+        peaks[name] = peak_backward_bytes(lambda: c(x).sum(), lambda loss: loss.backward(),
+                                          before=lambda: m.zero_grad(set_to_none=True))
+    assert peaks["vjpgen"] <= 1.25 * peaks["torch"], peaks

@@ -597,12 +597,13 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend):
     if backend == "eager":
         return _boxed(gm.forward)
     if backend == "aot_eager":
-        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+        from torch._dynamo.backends.debugging import boxed_nop
+        from torch._functorch.aot_autograd import aot_module_simplified
 
+        # (boxed_nop, torch's aot_eager compiler: the graph's code empties its argument list, so
+        # each input is freed after its last use, as Inductor's code frees it)
         with torch.no_grad():
-            return aot_module_simplified(
-                GmWrapper(gm, _identity), fake_args, fw_compiler=lambda g, _: make_boxed_func(g)
-            )
+            return aot_module_simplified(GmWrapper(gm, _identity), fake_args, fw_compiler=boxed_nop)
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
