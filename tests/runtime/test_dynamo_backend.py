@@ -580,3 +580,44 @@ def test_backward_frees_saved_activations_as_it_goes():
         peaks[name] = peak_backward_bytes(lambda: c(x).sum(), lambda loss: loss.backward(),
                                           before=lambda: m.zero_grad(set_to_none=True))
     assert peaks["vjpgen"] <= 1.25 * peaks["torch"], peaks
+
+
+def test_tensor_subclass_input_goes_to_aot_autograd():
+    """A tensor-subclass input (``__torch_dispatch__``): AOTAutograd desugars it; the graph goes
+    there, counted, with eager's grads and the subclass's type."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def g(a):
+        return (a * 2).sin().sum()
+
+    a = TwoTensor(torch.randn(3), torch.randn(3)).requires_grad_()
+    grads = []
+    for fn in (g, _compiled(g)):
+        a.grad = None
+        fn(a).backward()
+        grads.append(a.grad)
+    assert type(grads[1]) is TwoTensor
+    _close(grads[0].a, grads[1].a, "grad (a)")
+    _close(grads[0].b, grads[1].b, "grad (b)")
+    assert _backend()["fallback_reasons"] == {"a tensor subclass input (TwoTensor)": 1}
+
+
+def test_hook_registered_inside_the_compiled_function_runs():
+    """A tensor hook registered in the compiled function: dynamo's graph break, the hook runs as
+    in eager (once, its result used)."""
+    calls = []
+
+    def f(x, w):
+        h = x * w
+        h.register_hook(lambda g: calls.append(1) or g * 3)
+        return h.sin().sum()
+
+    x, w = torch.randn(4), torch.randn(4, requires_grad=True)
+    grads = []
+    for fn in (f, _compiled(f)):
+        w.grad = None
+        calls.clear()
+        fn(x, w).backward()
+        grads.append((w.grad.clone(), len(calls)))
+    _close(grads[0][0], grads[1][0], "w.grad")
+    assert grads[0][1] == grads[1][1] == 1

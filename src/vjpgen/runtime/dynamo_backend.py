@@ -78,16 +78,32 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
     if not wants_grad:  # no backward to build: the inner compiler's forward
         b["inference_graphs"] += 1
         return _inner_backend(opts)(gm, example_inputs)
+    sub = next((x for x in example_inputs if isinstance(x, torch.Tensor) and _is_subclass(x)), None)
+    if sub is not None:  # AOTAutograd desugars tensor subclasses into their inner tensors
+        record_fallback(f"a tensor subclass input ({type(sub).__name__})")
+        return _inner_backend(opts)(gm, example_inputs)
     fakes, fake_mode = _fakeify(example_inputs)
     try:
         cg = CompiledGraph.build(gm, fakes, fake_mode, opts["compiler"], order=1, label="graph")
     except joint.Unsupported as e:
         record_fallback(str(e))
         return _inner_backend(opts)(gm, example_inputs)
+    except Exception as e:  # a graph vjpgen fails on still compiles as torch.compile would compile it
+        reason = f"{type(e).__name__} while building the joint: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        log.warning("vjpgen backend: %s; this graph goes to torch's AOTAutograd (please report it)", reason)
+        record_fallback(reason)
+        return _inner_backend(opts)(gm, example_inputs)
     if cg is None:  # no output requires grad: nothing differentiable
         b["inference_graphs"] += 1
         return _inner_backend(opts)(gm, example_inputs)
     return cg.runtime()
+
+
+def _is_subclass(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, FakeTensor) and (
+        type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
 
 
 def _inner_backend(opts):
