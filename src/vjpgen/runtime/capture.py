@@ -558,7 +558,8 @@ def hoist_reductions(gm: torch.fx.GraphModule) -> int:
     return len(moved)
 
 
-def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str = "a backward graph"):
+def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str = "a backward graph",
+                  patches: dict | None = None):
     """Compile a traced graph into a *boxed* callable: ``fn(args: list) -> list``; logs one INFO
     line with the graph's size and the seconds it took.
 
@@ -569,7 +570,7 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str 
     inputs are off: the region cache has checked them already (see :mod:`vjpgen.runtime.cache`).
     """
     t0 = time.perf_counter()
-    fn = _compile_graph(gm, fake_args, backend)
+    fn = _compile_graph(gm, fake_args, backend, patches)
     if log.isEnabledFor(logging.INFO):  # (counting the ops is a walk of the graph: only when shown)
         log.info(
             "vjpgen: compiled %s (%d aten ops, %d inputs) with %s in %.2fs",
@@ -590,7 +591,7 @@ def progress(region, backend, what: str = ""):
     )
 
 
-def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend):
+def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None):
     from torch._dynamo.utils import GmWrapper
 
     fake_args = list(fake_args)
@@ -625,7 +626,7 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend):
         with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
             fn = compile_fx(
                 GmWrapper(gm, _identity), fake_args, inner_compile=inner_compile,
-                config_patches={**_INDUCTOR_PATCHES, "cpp_wrapper": cpp_wrapper(gm)},
+                config_patches={**_INDUCTOR_PATCHES, "cpp_wrapper": cpp_wrapper(gm), **(patches or {})},
             )
         return _direct(seen, len(fake_args)) or fn
     if callable(backend):

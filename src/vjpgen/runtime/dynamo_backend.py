@@ -84,7 +84,8 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
         return _inner_backend(opts)(gm, example_inputs)
     fakes, fake_mode = _fakeify(example_inputs)
     try:
-        cg = CompiledGraph.build(gm, fakes, fake_mode, opts["compiler"], order=1, label="graph")
+        cg = CompiledGraph.build(gm, fakes, fake_mode, opts["compiler"], order=1, label="graph",
+                                 patches=_mode_patches(opts))
     except joint.Unsupported as e:
         record_fallback(str(e))
         return _inner_backend(opts)(gm, example_inputs)
@@ -106,17 +107,25 @@ def _is_subclass(t) -> bool:
         type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
 
 
+def _mode_patches(opts) -> dict | None:
+    """Inductor's settings for ``torch.compile(..., mode=...)`` (as its default backend applies them)."""
+    mode = opts.get("mode")
+    if opts["compiler"] != "inductor" or not mode or mode == "default":
+        return None
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
 def _inner_backend(opts):
     """torch's own handling of a graph with the inner compiler (AOTAutograd around it)."""
     compiler = opts["compiler"]
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        mode = opts.get("mode")
-        if mode and mode != "default":
-            from torch._inductor import list_mode_options
-
-            return lambda gm, ex: compile_fx(gm, ex, config_patches=list_mode_options(mode))
+        patches = _mode_patches(opts)
+        if patches:
+            return lambda gm, ex: compile_fx(gm, ex, config_patches=patches)
         return compile_fx
     if compiler == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
@@ -205,8 +214,9 @@ class CompiledGraph:
         self.vjps: dict = {}  # (mask, requires-grad pattern, sizes) -> CompiledGraph of the vjp
 
     @classmethod
-    def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str):
-        """Trace, partition and compile; None when no output requires grad."""
+    def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str, patches=None):
+        """Trace, partition and compile; None when no output requires grad. ``patches``: Inductor
+        settings (from ``torch.compile``'s ``mode``)."""
         joint.prepare()
         # a torch.autograd.grad inside the graph (dynamo's trace_autograd_ops; every vjp graph)
         # is expanded with vjpgen's kernels while tracing
@@ -239,11 +249,13 @@ class CompiledGraph:
                     raise joint.Unsupported(f"the partitioned backward reads {p.name}, which the forward does not save")
             what = f"{label} (order {order})"
             with _own_tracing_context(fake_mode):
-                fw = capture.compile_graph(fw_gm, list(fakes), compiler, f"the forward of {what}")
-                bw = capture.compile_graph(bw_gm, _placeholder_vals(bw_gm), compiler, f"the backward of {what}")
+                fw = capture.compile_graph(fw_gm, list(fakes), compiler, f"the forward of {what}", patches)
+                bw = capture.compile_graph(bw_gm, _placeholder_vals(bw_gm), compiler, f"the backward of {what}",
+                                           patches)
         b = _counters()
         b["compiles"][order] += 1
         cg = cls(fn, meta, fw, bw, tuple(bw_args), len(fw_out) - n_fw, order, compiler, label, fw_gm, bw_gm)
+        cg.patches = patches
         cg.saved_kinds = tuple(isinstance(a.meta.get("val"), torch.Tensor) for a in fw_out[n_fw:])
         n = meta.n_inputs
         # per output: the inputs it depends on; per grad: the tangents it depends on (a grad that
@@ -306,7 +318,8 @@ class CompiledGraph:
                     wrt = tuple(i for i, m in enumerate(mask) if m)
                     fn = joint.vjp_fn(self.fn, self.meta.n_inputs, wrt, self.meta.diff_outputs)
                     fakes, fake_mode = _static_fakes(args)
-                    cg = CompiledGraph.build(fn, fakes, fake_mode, self.compiler, self.order + 1, self.label)
+                    cg = CompiledGraph.build(fn, fakes, fake_mode, self.compiler, self.order + 1, self.label,
+                                             self.patches)
                     self.vjps[key] = cg if cg is not None else False
         return cg or None
 
