@@ -621,3 +621,23 @@ def test_hook_registered_inside_the_compiled_function_runs():
         grads.append((w.grad.clone(), len(calls)))
     _close(grads[0][0], grads[1][0], "w.grad")
     assert grads[0][1] == grads[1][1] == 1
+
+
+def test_forces_for_changing_atom_counts_compile_a_bounded_number_of_graphs():
+    """Molecules of different sizes: dynamo turns the energy's graph dynamic after one change (its
+    joint traced over symbolic sizes: saved sizes are SymInts), and the vjp graph behind the forces
+    turns dynamic after one change too: five sizes, eager's grads each, at most 2 graphs a order
+    per dynamo graph."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 16), nn.SiLU(), nn.Linear(16, 1))
+
+    def energy(pos):
+        return net(pos).sum()
+
+    ce = _compiled(energy)
+    for n in (6, 8, 10, 12, 7):
+        args = (torch.randn(n, 3), torch.randn(()), torch.randn(n, 3))
+        _same_step(list(net.parameters()), _ff_step(energy), _ff_step(ce), args)
+    b = _backend()
+    assert b["fallbacks"] == 0, b["fallback_reasons"]
+    assert b["graphs"] == 2 and b["compiles"][1] == 2 and b["compiles"][2] <= 3, b

@@ -57,6 +57,10 @@ def flatten(value, sym: bool, T: list, tid: dict, I: list, S: list) -> None:
             S.append(_I)
         else:
             S.append(value)
+    elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        # a symbolic size (only in a trace: the backend's joint over dynamo's symbolic shapes)
+        I.append(value)
+        S.append(_I)
     elif isinstance(value, (tuple, list, torch.Size)):
         S.append(_SEQ)
         S.append(type(value))

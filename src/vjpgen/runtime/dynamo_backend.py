@@ -307,21 +307,71 @@ class CompiledGraph:
 
     def vjp_graph(self, mask: tuple, args: list):
         """The CompiledGraph of this graph's vjp with respect to the inputs in ``mask``, for
-        ``args`` (primals then tangents), traced at their exact sizes on first use."""
-        key = (mask, tuple((tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.requires_grad)
-                           if isinstance(a, torch.Tensor) else ("int", a) for a in args))
-        cg = self.vjps.get(key)
-        if cg is None:
-            with _LOCK:
-                cg = self.vjps.get(key)
-                if cg is None:
-                    wrt = tuple(i for i, m in enumerate(mask) if m)
-                    fn = joint.vjp_fn(self.fn, self.meta.n_inputs, wrt, self.meta.diff_outputs)
-                    fakes, fake_mode = _static_fakes(args)
-                    cg = CompiledGraph.build(fn, fakes, fake_mode, self.compiler, self.order + 1, self.label,
-                                             self.patches)
-                    self.vjps[key] = cg if cg is not None else False
-        return cg or None
+        ``args`` (primals then tangents): traced at their exact sizes on first use; when sizes
+        change (a force field trained on molecules of different atom counts), traced once more
+        with the dimensions that changed symbolic, valid where its shape guards hold (as the
+        runtime's regions turn dynamic after one change)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        ints = [a for a in args if not isinstance(a, torch.Tensor)]
+        # the structure: everything but the sizes (the tensors' and the int arguments, which dynamo
+        # passes for its dynamic sizes)
+        skey = (mask, tuple((a.dtype, a.device, a.dim(), a.requires_grad) if isinstance(a, torch.Tensor)
+                            else type(a) for a in args))
+        exact = (tuple((tuple(t.shape), tuple(t.stride())) for t in tensors), tuple(ints))
+        TI = [*tensors, *ints]
+        fam = self.vjps.get(skey)
+        if fam is not None:
+            cg = _find(fam, exact, TI)
+            if cg is not None:
+                return cg or None
+        with _LOCK:  # one trace at a time; another thread may have traced it meanwhile
+            fam = self.vjps.setdefault(skey, {"static": {}, "dynamic": [], "first": None})
+            cg = _find(fam, exact, TI)
+            if cg is not None:
+                return cg or None
+            wrt = tuple(i for i, m in enumerate(mask) if m)
+            fn = joint.vjp_fn(self.fn, self.meta.n_inputs, wrt, self.meta.diff_outputs)
+            first = fam["first"]
+            if first is None:
+                fam["first"] = exact
+                fakes, fake_mode = _static_fakes(args)
+                cg = CompiledGraph.build(fn, fakes, fake_mode, self.compiler, self.order + 1, self.label, self.patches)
+                fam["static"][exact] = cg if cg is not None else False
+                return cg
+            from .cache import make_guard
+
+            dd = {}
+            for k, ((shape, _), (shape0, _)) in enumerate(zip(exact[0], first[0])):
+                dims = {d for d, (a, b) in enumerate(zip(shape, shape0)) if a != b}
+                if dims:
+                    dd[k] = dims
+            di = {j for j, (a, b) in enumerate(zip(exact[1], first[1])) if a != b}
+            tfakes, ivals, shape_env, fake_mode = capture.fakeify(tensors, ints, dd, di)
+            it_t, it_i = iter(tfakes), iter(ivals)
+            fakes = [next(it_t) if isinstance(a, torch.Tensor) else next(it_i) for a in args]
+            cg = CompiledGraph.build(fn, fakes, fake_mode, self.compiler, self.order + 1, self.label, self.patches)
+            guard, _ = make_guard(shape_env, tfakes, ivals)
+            fam["dynamic"].append((guard, cg if cg is not None else False))
+            return cg
+
+
+def _find(fam, exact, TI):
+    """A compiled vjp of a family for these sizes: the static one traced at exactly them, or a
+    dynamic one whose shape guards hold (over the tensors, then the ints)."""
+    cg = fam["static"].get(exact)
+    if cg is not None:
+        return cg
+    for guard, cg in fam["dynamic"]:
+        if _holds(guard, TI):
+            return cg
+    return None
+
+
+def _holds(guard, tensors) -> bool:
+    try:
+        return bool(guard(tensors))
+    except Exception:  # a guard that cannot evaluate does not match
+        return False
 
 
 def _static_fakes(args):
