@@ -31,6 +31,7 @@ import threading
 import torch
 
 from . import api, capture, joint, torchscript
+from .. import logs
 from .stats import STATS
 
 log = logging.getLogger("vjpgen")
@@ -136,7 +137,8 @@ def _inner_backend(opts):
 
 def _fakeify(example_inputs):
     """The inputs as fake tensors of dynamo's backend fake mode, with the symbolic sizes dynamo
-    gave them (as AOTAutograd fakeifies them); ints stay as they are (static)."""
+    gave them (as AOTAutograd fakeifies them); dynamo's symbolic int inputs (``s0``, an int
+    argument it made dynamic) arrive as SymInts of the same ShapeEnv and stay so."""
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     if fake_mode is None:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -238,17 +240,16 @@ class CompiledGraph:
             if meta.mutated:
                 joint.save_old_values(fw_gm, n_fw, meta.mutated)
             bw_args = []
-            nt = 0
             for p in bw_gm.graph.find_nodes(op="placeholder"):
-                if p.name.startswith("tangents"):
-                    bw_args.append(("tangent", nt))
-                    nt += 1
+                if p.name.startswith("tangents_"):  # tangents_<k>: the k-th (from 1) differentiable output's
+                    bw_args.append(("tangent", int(p.name.rsplit("_", 1)[1]) - 1))
                 elif p.name in pos:
                     bw_args.append(("saved", pos[p.name]))
                 else:
                     raise joint.Unsupported(f"the partitioned backward reads {p.name}, which the forward does not save")
             what = f"{label} (order {order})"
-            with _own_tracing_context(fake_mode):
+            with _own_tracing_context(fake_mode), logs.progress(
+                    f"compiling the forward and backward of a {what} with {compiler}"):
                 fw = capture.compile_graph(fw_gm, list(fakes), compiler, f"the forward of {what}", patches)
                 bw = capture.compile_graph(bw_gm, _placeholder_vals(bw_gm), compiler, f"the backward of {what}",
                                            patches)
