@@ -256,10 +256,9 @@ def test_forcefield_energy_compiled_forces_outside():
     assert b["fallbacks"] == 0 and b["compiles"] == {1: 1, 2: 1}, b  # order 2: the vjp's own graph
 
 
-def test_forcefield_in_one_graph_with_trace_autograd_ops():
-    """With dynamo's ``trace_autograd_ops`` the ``torch.autograd.grad`` call stays in the graph:
-    energy and forces are one forward, expanded from vjpgen's kernels, and the step's backward one
-    compiled graph of order 2."""
+def _forcefield_in_one_graph(options):
+    """The force field's energy and forces compiled as one function (dynamo's ``trace_autograd_ops``
+    keeps the grad call in the graph), the step's loss and backward outside, against eager."""
     params, energy, args = _forcefield()
 
     def energy_forces(pos):
@@ -278,7 +277,14 @@ def test_forcefield_in_one_graph_with_trace_autograd_ops():
         return step
 
     with torch._dynamo.config.patch(trace_autograd_ops=True):
-        _same_step(params, step_of(energy_forces), step_of(_compiled(energy_forces)), args)
+        _same_step(params, step_of(energy_forces), step_of(_compiled(energy_forces, options=options)), args)
+
+
+def test_forcefield_in_one_graph_with_trace_autograd_ops():
+    """With dynamo's ``trace_autograd_ops`` the ``torch.autograd.grad`` call stays in the graph:
+    energy and forces are one forward, expanded from vjpgen's kernels, and the step's backward one
+    compiled graph of order 2."""
+    _forcefield_in_one_graph(AOT)
     b = _backend()
     assert b["graphs"] == 1 and b["compiles"] == {1: 1} and b["fallbacks"] == 0, b
 
@@ -542,25 +548,7 @@ def test_inductor_training_and_dropout_masks():
 
 
 def test_inductor_forcefield_in_one_graph():
-    params, energy, args = _forcefield()
-
-    def energy_forces(pos):
-        e = energy(pos)
-        (g,) = torch.autograd.grad(e, pos, create_graph=True)
-        return e, -g
-
-    def step_of(ef):
-        def step(pos, e_ref, f_ref):
-            pos = pos.detach().requires_grad_()
-            e, f = ef(pos)
-            loss = (e - e_ref) ** 2 + 10.0 * ((f - f_ref) ** 2).mean()
-            loss.backward()
-            return loss
-
-        return step
-
-    with torch._dynamo.config.patch(trace_autograd_ops=True):
-        _same_step(params, step_of(energy_forces), step_of(_compiled(energy_forces, options=None)), args)
+    _forcefield_in_one_graph(None)
 
 
 def test_backward_frees_saved_activations_as_it_goes():

@@ -257,6 +257,26 @@ def prune_unused_inputs(gm: torch.fx.GraphModule, n_tensors: int):
     return tuple(k for k, _ in keep)
 
 
+def output_deps(gm: torch.fx.GraphModule) -> list:
+    """Per output of a traced graph: the positions of the placeholders it depends on."""
+    dep: dict = {}
+    k = 0
+    empty = frozenset()
+    out_args = ()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            dep[n] = frozenset((k,))
+            k += 1
+        elif n.op == "output":
+            out_args = n.args[0]
+        else:
+            d = empty
+            for a in n.all_input_nodes:
+                d = d | dep.get(a, empty)
+            dep[n] = d
+    return [dep.get(a, empty) if isinstance(a, torch.fx.Node) else empty for a in out_args]
+
+
 def output_aliases(gm: torch.fx.GraphModule) -> list:
     """Per output of a traced graph: whether it shares storage with a graph input (an input
     returned as it is, or a view of one), from the fake tensors make_fx recorded. An output

@@ -229,7 +229,7 @@ class CompiledGraph:
         with capture.LOCK:
             with api.expanding(joint.engine_call):
                 gm = joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
-            deps = joint.output_deps(gm)
+            deps = capture.output_deps(gm)
             fw_gm, bw_gm = joint.partition(gm, meta, compiler)
             n_fw = meta.num_fwd_outputs
             fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]

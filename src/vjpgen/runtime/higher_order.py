@@ -211,22 +211,8 @@ class DiffGraph:
 def _deps(gm, n_tensors: int) -> list:
     """Per output of a traced graph: the positions of the tensor inputs it depends on (read before
     a backend rewrites the graph)."""
-    dep = {}
-    k = 0
-    empty = frozenset()
-    out_args = ()
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            dep[n] = frozenset((k,)) if k < n_tensors else empty
-            k += 1
-        elif n.op == "output":
-            out_args = n.args[0]
-        else:
-            d = empty
-            for a in n.all_input_nodes:
-                d = d | dep.get(a, empty)
-            dep[n] = d
-    return [dep.get(a, empty) if isinstance(a, torch.fx.Node) else empty for a in out_args]
+    tensors = frozenset(range(n_tensors))
+    return [d & tensors for d in capture.output_deps(gm)]
 
 
 def _exact_key(tensors, ints) -> tuple:

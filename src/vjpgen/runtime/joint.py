@@ -336,26 +336,6 @@ def _flatten_io(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def output_deps(gm: torch.fx.GraphModule) -> list:
-    """Per output of a traced graph: the positions of the placeholders it depends on."""
-    dep: dict = {}
-    k = 0
-    empty = frozenset()
-    out_args = ()
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            dep[n] = frozenset((k,))
-            k += 1
-        elif n.op == "output":
-            out_args = n.args[0]
-        else:
-            d = empty
-            for a in n.all_input_nodes:
-                d = d | dep.get(a, empty)
-            dep[n] = d
-    return [dep.get(a, empty) if isinstance(a, torch.fx.Node) else empty for a in out_args]
-
-
 def save_old_values(fw_gm: torch.fx.GraphModule, n_fw: int, mutated: tuple) -> None:
     """A forward saves an input it mutates (batch norm's running stats, which its backward node
     takes): the backward was traced with the value before the mutation, which the caller writes into
