@@ -11,7 +11,8 @@ import weakref
 
 import torch
 
-from . import capture, decide, engine, graph_task, higher_order, hooks, kernels, leaves, torchscript, walk
+from . import capture, decide, engine, fused_optim, graph_task, higher_order, hooks, kernels, leaves, torchscript
+from . import walk
 from .. import native
 from . import plan as plan_mod
 from . import saved as _saved
@@ -115,19 +116,33 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     Python's cyclic GC is paused for the call (and resumed while a region compiles): the walk
     allocates a tuple or two per node, and on a graph of 10,000 nodes the collections this
     triggers made the per-node cost grow with the graph."""
+    depth = getattr(_local, "run_depth", 0)  # (a live node's backward inside this one: depth 1)
+    _local.run_depth = depth + 1
     pause = gc.isenabled()
     if pause:
         gc.disable()
         engine.GC_PAUSED = True
     memo = _saved.begin()  # each node's saved values are read once (saved-tensor hooks)
     try:
-        return _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
-                         create_graph, grads_made)
+        res = _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
+                        create_graph, grads_made)
     finally:
         _saved.end(memo)
+        _local.run_depth = depth
         if pause:
             engine.GC_PAUSED = False
             gc.enable()
+    if accumulate and depth == 0:
+        opt = _optimizer()
+        if opt is not None:  # compiled_autograd(optimizer=...): then opt.step(), opt.zero_grad()
+            fused_optim.step(*opt)
+    return res
+
+
+def _optimizer():
+    """This thread's innermost ``compiled_autograd(optimizer=...)``: (optimizer, clip_grad_norm) or None."""
+    opts = getattr(_local, "optimizers", None)
+    return opts[-1] if opts else None
 
 
 def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused, create_graph=False,
@@ -275,17 +290,27 @@ def _execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, 
     ``call``: (plan, its key, the hooks this call's walk found). Graph breaks the call finds are
     stored as a new plan under the key for later calls (the plan itself never changes)."""
     plan, skey, hooked = call
+    fused = None
     if create_graph:
         ctx = engine.CallContext(backend, not retain_graph, higher_order.CreateGraph, higher_order.accumulate_leaves,
                                  True)
     else:
         ctx = engine.CallContext(backend, not retain_graph, engine.FirstOrder, leaves.accumulate_leaves)
+        opt = _optimizer() if accumulate and getattr(_local, "run_depth", 0) == 1 else None
+        if opt is not None and opt[1] is None:  # (clip_grad_norm needs every grad first: the plain path)
+            fused = fused_optim.FusedCall(opt[0], plan, nodes)
+            if fused.by_region:
+                ctx.kind = fused.region_kind(engine.FirstOrder)
+            else:
+                fused = None
     ctx.graphs = _explain_sink[-1] if _explain_sink else None
     ctx.hooked = hooked
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(create_graph)  # torch.no_grad() without its Python layers (~4 us a call)
     try:
         buf = engine.execute(plan, nodes, metas, grads, ctx)
+        if fused is not None:
+            fused.finish(ctx.kind.updated)
         # sinks
         ctx.sink(plan, nodes, buf, ctx)
         result = None
@@ -591,22 +616,40 @@ def _patched_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_gra
 
 
 @contextlib.contextmanager
-def compiled_autograd(backend="inductor"):
+def compiled_autograd(backend="inductor", optimizer=None, clip_grad_norm=None):
     """Within the block, ``Tensor.backward``, ``torch.autograd.backward`` and
     ``torch.autograd.grad`` run through vjpgen (on this thread; other threads keep their own
     setting). The call is intercepted where all of them reach torch's engine
     (``torch.autograd.graph._engine_run_backward``), so names imported before the block
-    (``from torch.autograd import grad``) are covered too."""
+    (``from torch.autograd import grad``) are covered too.
+
+    With ``optimizer``, a backward that accumulates into leaves is followed by the optimizer's step
+    and ``zero_grad(set_to_none=True)``: the parameters are updated and no ``.grad`` is left. The
+    update of each parameter vjpgen can fuse is traced into the compiled region that completes its
+    grad (runtime/fused_optim.py). ``clip_grad_norm=max_norm`` clips the grads by their global
+    2-norm first, as ``torch.nn.utils.clip_grad_norm_`` does. For gradient accumulation, run the
+    earlier micro-batches' backwards without ``optimizer`` and the last one with it."""
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"vjpgen: compiled_autograd(optimizer=...) takes a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    if clip_grad_norm is not None and optimizer is None:
+        raise ValueError("vjpgen: compiled_autograd(clip_grad_norm=...) clips before the optimizer's step: "
+                         "pass optimizer= too")
     torchscript.plain_autodiff()  # (once: later scripted forwards record per-op nodes)
     st = _stack()
     st.append(backend)
+    opts = getattr(_local, "optimizers", None)
+    if opts is None:
+        opts = _local.optimizers = []
+    opts.append(None if optimizer is None else (optimizer, clip_grad_norm))
     _install()
     try:
         yield
     finally:
         st.pop()
+        opts.pop()
         _uninstall()
 
 

@@ -70,7 +70,7 @@ class Compiled:
 
     __slots__ = (
         "fn", "present", "guard", "guard_src", "gm", "dyn_ints", "n_tensors", "dynamic", "hits", "aliases", "keep",
-        "conform", "out_table", "from_disk",
+        "conform", "out_table", "from_disk", "fused_updated",
     )
 
     def __init__(
@@ -95,6 +95,7 @@ class Compiled:
         self.conform = None
         self.out_table = None  # engine._out_table: where each output goes (built on the first call)
         self.from_disk = False  # loaded from the on-disk cache (disk_cache.py): gm is None then
+        self.fused_updated = frozenset()  # the sinks whose parameter the graph updates (fused_optim.py)
 
     def args(self, T: list, I: list) -> list:
         """The argument list of :attr:`fn`: the tensors of ``T`` the graph reads, then the dynamic

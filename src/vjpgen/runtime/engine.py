@@ -276,13 +276,17 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
     return fn
 
 
-def _compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T=None, labels_I=None):
+def _compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T=None, labels_I=None, fuse=None):
     with _gc_resumed(), capture.progress(region, backend):
-        return _compile_region_now(region, plan, S, T, I, dd, di, backend, labels_T, labels_I)
+        return _compile_region_now(region, plan, S, T, I, dd, di, backend, labels_T, labels_I, fuse)
 
 
-def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T, labels_I):
-    dkey = disk_cache.region_key(region, plan, S, T, I, dd, di, backend)
+def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T, labels_I, fuse=None):
+    """Trace and compile one region (or load it from the on-disk cache). ``fuse``: the optimizer
+    updates traced after the region's grads (:class:`vjpgen.runtime.fused_optim.Fuse`): its tensors
+    (parameters, optimizer state, hyper-parameters) follow the region's inputs, and it wraps the
+    region's function."""
+    dkey = None if fuse is not None else disk_cache.region_key(region, plan, S, T, I, dd, di, backend)
     if dkey is not None:
         e = disk_cache.load(dkey)
         if e is not None:  # compiled by an earlier process (disk_cache.py): no trace, no compile
@@ -291,11 +295,19 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
             c.from_disk = True
             log.info("vjpgen: loaded %s of %d autograd nodes from the on-disk cache", region.label, len(region.nodes))
             return c
-    fakes, ivals, shape_env, mode = capture.fakeify(T, I, dd, di)
+    extra = fuse.tensors_for_call() if fuse is not None else []
+    # (with a fused optimizer the graph mutates parameters that saved tensors may be views of:
+    # AOTAutograd merges aliased inputs into a synthetic base, which needs them all leaves alike)
+    fakes, ivals, shape_env, mode = capture.fakeify(
+        (list(T) if fuse is None else fuse.detached(T)) + extra, I, dd, di)
     dyn_ints = sorted(di)
     present: list = []
     fn = _make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
-    fake_args = list(fakes) + [ivals[j] for j in dyn_ints]
+    fake_args = list(fakes[:len(T)]) + [ivals[j] for j in dyn_ints]
+    if fuse is not None:
+        fn = fuse.wrap(region, fn, len(fake_args), present)
+        fake_args += fakes[len(T):]
+        fakes = fakes[:len(T)]
     gm = capture.trace(fn, fake_args)
     labels = list(labels_T or []) + [labels_I[j] if labels_I else f"int {j}" for j in dyn_ints]
     k = 0
@@ -515,17 +527,23 @@ class FirstOrder:
 
     @staticmethod
     def call(region, plan, compiled, T, I, metas, buf, ctx) -> None:
-        for s in region.drop_in:
-            buf[s] = None
-        outs = compiled.fn(compiled.args(T, I))  # boxed: the callee empties the list
-        del T
-        if compiled.conform is not False:
-            _conform_outputs(region, plan, compiled, outs, metas)
-        table = compiled.out_table
-        if table is None:
-            table = compiled.out_table = _out_table(region, compiled)
-        nat = native.module()
-        (nat.scatter_outputs if nat is not None else scatter_outputs)(outs, table, buf, ctx.protected)
+        call_and_scatter(region, plan, compiled, compiled.args(T, I), metas, buf, ctx)
+
+
+def call_and_scatter(region, plan, compiled, args: list, metas, buf, ctx) -> list:
+    """Call a compiled region with its argument list and scatter its outputs into ``buf``; returns
+    the outputs (a fused optimizer's new state follows the region's grads)."""
+    for s in region.drop_in:
+        buf[s] = None
+    outs = compiled.fn(args)  # boxed: the callee empties the list
+    if compiled.conform is not False:
+        _conform_outputs(region, plan, compiled, outs, metas)
+    table = compiled.out_table
+    if table is None:
+        table = compiled.out_table = _out_table(region, compiled)
+    nat = native.module()
+    (nat.scatter_outputs if nat is not None else scatter_outputs)(outs, table, buf, ctx.protected)
+    return outs
 
 
 def scatter_outputs(outs, table, buf: list, protected: set) -> None:

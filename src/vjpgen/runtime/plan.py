@@ -65,7 +65,7 @@ class NodeInfo:
 class Region:
     __slots__ = (
         "nodes", "in_slots", "out_slots", "out_replace", "out_dest", "cache", "label", "index", "drop_in", "fast",
-        "fast_keys", "saved_hooks",
+        "fast_keys", "saved_hooks", "fused_caches",
     )
 
     def __init__(self, index, nodes):
@@ -83,6 +83,8 @@ class Region:
         # whether saved tensors of its nodes have hooks (Plan.saved_groups): their values are read
         # once, by the general gather only (a specialized one may read some and give up)
         self.saved_hooks = False
+        # the caches of the region with a fused optimizer, per fused signature (fused_optim.py)
+        self.fused_caches: dict = {}
 
 
 class LiveStep:

@@ -40,6 +40,12 @@ class _Stats:
             "eager_fallbacks": Counter(),  # order -> calls computed eagerly (counted, eager's values)
             "fallback_reasons": Counter(),  # "order N: reason" -> count
         }
+        # the optimizer step inside the compiled backward (runtime/fused_optim.py)
+        self.fused_optimizer = {
+            "fused_params": 0,  # parameter updates done inside a compiled region
+            "plain_params": 0,  # parameters left to opt.step() (their grad in .grad), by reason:
+            "plain_reasons": Counter(),
+        }
         # the torch.compile backend (runtime/dynamo_backend.py)
         self.backend = {
             "graphs": 0,  # graphs dynamo handed to the backend

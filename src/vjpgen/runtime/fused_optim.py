@@ -1,0 +1,415 @@
+"""The optimizer step inside the compiled backward: ``vjpgen.runtime.compiled_autograd(backend,
+optimizer=opt)`` around ``loss.backward()``.
+
+Within such a block a backward that accumulates into leaves is ``loss.backward(); opt.step();
+opt.zero_grad(set_to_none=True)``, and for every parameter it can, vjpgen does the update of that
+parameter inside the compiled region that completes its grad: the region's function is followed,
+for each such parameter, by torch's own single-tensor functional optimizer code
+(``torch.optim.sgd._single_tensor_sgd``, ``torch.optim.adam._single_tensor_adam``) on the
+parameter, its optimizer state and the group's learning rate as tensors (so an LR scheduler never
+recompiles), traced with the region and compiled with it: the grad is consumed in the kernels that
+produce it and never lives as a full ``.grad`` buffer. A parameter's existing ``.grad`` (micro-batches
+accumulated before this backward) is added to its grad first.
+
+Every parameter that is not fused this way keeps the plain path, counted with its reason in
+``stats()["fused_optimizer"]``: its grad is accumulated into ``.grad`` as usual and the
+``opt.step()`` that follows the backward updates it (``opt.step()`` skips the parameters whose
+``.grad`` is None: the fused ones). Never a different update.
+
+Fused: ``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize), ``Adam`` and
+``AdamW`` (amsgrad, weight decay, maximize), any number of param groups, with ``foreach`` on or off;
+dense floating-point parameters whose AccumulateGrad the plan accumulates itself (no hooks: a
+hooked leaf, DDP's reducer included, runs live) and whose grad one compiled region completes.
+Not fused (plain path): ``fused=True`` / ``capturable`` / ``differentiable`` groups, tensor betas,
+optimizers with step hooks, ``clip_grad_norm`` (the global norm needs every grad first), other
+optimizer classes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.optim import adam as _adam, sgd as _sgd
+
+from .cache import RegionCache
+from .stats import STATS
+
+log = logging.getLogger("vjpgen")
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _counters() -> dict:
+    return STATS.fused_optimizer
+
+
+def _plain(reason: str, n: int = 1) -> None:
+    c = _counters()
+    c["plain_params"] += n
+    c["plain_reasons"][reason] += n
+
+
+# ------------------------------------------------------------------------------------------
+# which parameters are fused, and how
+
+
+def _kind(opt) -> str | None:
+    t = type(opt)
+    if t is torch.optim.SGD:
+        return "sgd"
+    if t is torch.optim.AdamW:
+        return "adamw"
+    if t is torch.optim.Adam:
+        return "adam"
+    return None
+
+
+def _group_reason(kind: str, group: dict) -> str | None:
+    if group.get("fused"):
+        return "a fused=True param group (torch's fused kernel)"
+    if group.get("differentiable"):
+        return "a differentiable=True param group"
+    if kind != "sgd":
+        if group.get("capturable"):
+            return "a capturable=True param group"
+        if any(isinstance(b, torch.Tensor) for b in group["betas"]):
+            return "tensor betas"
+        if isinstance(group["lr"], torch.Tensor) and group["lr"].numel() != 1:
+            return "a learning rate tensor of more than one element"
+    return None
+
+
+def _has_step_hooks(opt) -> bool:
+    from torch.optim import optimizer as _o
+
+    return bool(getattr(opt, "_optimizer_step_pre_hooks", None) or getattr(opt, "_optimizer_step_post_hooks", None)
+                or getattr(_o, "_global_optimizer_pre_hooks", None) or getattr(_o, "_global_optimizer_post_hooks", None))
+
+
+def _param_reason(p) -> str | None:
+    if p.layout != torch.strided or p.is_sparse:
+        return "a sparse or non-strided parameter"
+    if p.dtype not in _FLOAT:
+        return f"a {p.dtype} parameter"
+    if type(p) not in (torch.Tensor, torch.nn.Parameter):
+        return f"a tensor-subclass parameter ({type(p).__name__})"
+    return None
+
+
+class Fuse:
+    """The optimizer updates traced into one region: per fused sink, the parameter, its state and
+    the group's hyper-parameters. ``tensors``: the graph's extra inputs, after the region's own;
+    ``sig``: what the compiled graph is specialized on (its cache key beside the region's)."""
+
+    def __init__(self, kind, slots, tensors, specs, sig):
+        self.kind = kind
+        self.slots = slots  # per fused sink: (slot, spec index)
+        self.tensors = tensors
+        self.specs = specs  # per fused sink: (param, state keys, constants, positions in tensors, new state)
+        self.sig = sig
+
+    def tensors_for_call(self) -> list:
+        """The extra inputs as the compiled graph takes them: detached (the graph updates the
+        parameters in place, under no grad mode, as an optimizer's step does), but the learning
+        rates made here."""
+        lr = {spec["pos"][spec["lr_at"]] for spec in self.specs}
+        return [t if j in lr else t.detach() for j, t in enumerate(self.tensors)]
+
+    @staticmethod
+    def detached(T) -> list:
+        return [t.detach() if isinstance(t, torch.Tensor) else t for t in T]
+
+    def wrap(self, region, fn, n_args: int, present: list):
+        """``fn(*T, *dyn)`` (the region's function) -> ``fused(*T, *dyn, *extras)``: the region's
+        outputs except the fused grads, which update their parameters in place, followed by the
+        state tensors the update creates (SGD's first momentum buffer)."""
+        out_slots = list(region.out_slots)
+        kind = self.kind
+        fused = dict(self.slots)  # slot -> spec index
+        specs = self.specs
+
+        updated = self.updated = set()  # (at trace time) the fused slots whose parameter is updated
+
+        def fused_fn(*args):
+            outs = fn(*args[:n_args])
+            extras = args[n_args:]
+            it = iter(outs)
+            grads = {}
+            for s, p in zip(out_slots, list(present)):
+                grads[s] = next(it) if p else None
+            new_state = []
+            kept = []
+            for k, s in enumerate(out_slots):
+                if s not in fused:
+                    if present[k]:
+                        kept.append(grads[s])
+                    continue
+                spec = specs[fused[s]]
+                t = [extras[j] for j in spec["pos"]]
+                grad = grads[s]
+                old = t[spec["grad_at"]] if spec["grad_at"] is not None else None
+                if grad is None:
+                    grad = old
+                elif old is not None:
+                    grad = old + grad
+                if grad is None:  # no grad at all: eager's step skips the parameter
+                    continue
+                updated.add(s)
+                new_state.extend(_update(kind, spec, t, grad))
+            for k, s in enumerate(out_slots):
+                if s in fused:
+                    present[k] = False
+            return kept + new_state
+
+        return fused_fn
+
+
+def _update(kind, spec, t, grad) -> list:
+    """One parameter's update by torch's single-tensor functional code, in place on ``t`` (the
+    parameter and its state); returns the state tensors it created."""
+    c = spec["const"]
+    param = t[0]
+    if kind == "sgd":
+        lr = t[spec["lr_at"]]
+        bufs = [t[spec["buf_at"]] if spec["buf_at"] is not None else None]
+        _sgd._single_tensor_sgd(
+            [param], [grad], bufs, None, None, weight_decay=c["weight_decay"], momentum=c["momentum"], lr=lr,
+            dampening=c["dampening"], nesterov=c["nesterov"], maximize=c["maximize"], has_sparse_grad=False,
+        )
+        if c["momentum"] != 0 and spec["buf_at"] is None:
+            return [bufs[0]]
+        return []
+    exp_avg, exp_avg_sq, step = t[1], t[2], t[3]
+    lr = t[spec["lr_at"]]
+    max_sq = [t[4]] if c["amsgrad"] else []
+    # differentiable=True: the path that keeps the step count and the learning rate tensors (the
+    # capturable path asserts a CUDA device); the arithmetic is the capturable path's
+    _adam._single_tensor_adam(
+        [param], [grad], [exp_avg], [exp_avg_sq], max_sq, [step], None, None, amsgrad=c["amsgrad"],
+        has_complex=False, beta1=c["beta1"], beta2=c["beta2"], lr=lr, weight_decay=c["weight_decay"],
+        eps=c["eps"], maximize=c["maximize"], capturable=False, differentiable=True,
+        decoupled_weight_decay=kind == "adamw",
+    )
+    return []
+
+
+def _meta(t) -> tuple:
+    return (t.dtype, t.device, tuple(t.shape), tuple(t.stride()), t.requires_grad)
+
+
+class FusedCall:
+    """One backward call's fused optimizer: which of the plan's leaf sinks are fused in which region
+    (read from the plan and the optimizer at the start of the call), and the region kind that
+    traces and calls them (:meth:`region_kind`)."""
+
+    def __init__(self, opt, plan, nodes):
+        self.opt = opt
+        self.kind = _kind(opt)
+        self.by_region: dict = {}  # region index -> Fuse
+        self.params: list = []  # (param, region, whether it had state before)
+        self.new_state: dict = {}  # region index -> [(param, state key)] filled from the graph's outputs
+        if self.kind is None:
+            _plain(f"{type(opt).__name__}: no fused update for this optimizer class", _n_params(opt))
+            return
+        if _has_step_hooks(opt):
+            _plain("the optimizer has step hooks", _n_params(opt))
+            return
+        group_of = {}
+        for gi, group in enumerate(opt.param_groups):
+            r = _group_reason(self.kind, group)
+            for p in group["params"]:
+                group_of[id(p)] = (gi, r)
+        from .plan import Region
+
+        sinks = [(ai, s) for ai, s in plan.acc_sinks if id(nodes[ai].variable) in group_of]
+        # one compiled region and nothing else: a parameter is updated at the end of the region that
+        # reads it, after its last read (with later regions or live nodes, one could read a parameter
+        # updated earlier in the same backward, where eager's step comes after the whole backward)
+        if len(plan.steps) != 1 or type(plan.steps[0]) is not Region:
+            if sinks:
+                _plain("the backward has more than one compiled region or a live node", len(sinks))
+            return
+        items = []
+        for ai, s in sinks:
+            var = nodes[ai].variable
+            gi, reason = group_of[id(var)]
+            reason = reason or _param_reason(var)
+            if reason is not None:
+                _plain(reason)
+                continue
+            items.append((s, var, gi))
+        if items:
+            self.by_region[plan.steps[0].index] = self._fuse(items)
+
+    def _fuse(self, items) -> Fuse:
+        opt, kind = self.opt, self.kind
+        tensors: list = []
+        specs = []
+        slots = []
+        writebacks: list = []  # (state tensor, the graph's input holding its new value)
+        sig = [kind]
+        for s, p, gi in items:
+            group = opt.param_groups[gi]
+            had_state = p in opt.state and len(opt.state[p]) > 0
+            # (SGD without momentum keeps no state: its step never touches opt.state)
+            state = opt.state[p] if (kind != "sgd" or group["momentum"] != 0) else {}
+            if not had_state:
+                _init_state(kind, group, p, state)
+            pos = []
+
+            def add(t):
+                pos.append(len(tensors))
+                tensors.append(t)
+                return len(pos) - 1
+
+            add(p)
+            spec = {"pos": pos, "grad_at": None, "lr_at": None, "buf_at": None}
+            if kind == "sgd":
+                spec["const"] = {k: group[k] for k in ("weight_decay", "momentum", "dampening", "nesterov", "maximize")}
+                if group["momentum"] != 0 and state.get("momentum_buffer") is not None:
+                    spec["buf_at"] = add(state["momentum_buffer"])
+                # a learning rate that requires grad takes the single-tensor path's tensor branch
+                spec["lr_at"] = add(torch.tensor(float(group["lr"]), dtype=torch.float64, requires_grad=True))
+            else:
+                b1, b2 = group["betas"]
+                spec["const"] = {"beta1": b1, "beta2": b2, "eps": group["eps"], "weight_decay": group["weight_decay"],
+                                 "amsgrad": group["amsgrad"], "maximize": group["maximize"]}
+                add(state["exp_avg"])
+                add(state["exp_avg_sq"])
+                # the step count in float64: the bias corrections 1 - beta ** step computed in the
+                # optimizer's float32 step tensor lose 1e-5 of 1 - 0.999 (eager's step computes
+                # them as Python floats); written back into the state after the call
+                step64 = state["step"].detach().to(torch.float64)
+                writebacks.append((state["step"], step64))
+                add(step64)
+                if group["amsgrad"]:
+                    add(state["max_exp_avg_sq"])
+                lr = group["lr"]
+                lr = lr.detach().reshape(()).to(torch.float64) if isinstance(lr, torch.Tensor) else torch.tensor(
+                    float(lr), dtype=torch.float64)
+                spec["lr_at"] = add(lr)
+            if p.grad is not None:
+                spec["grad_at"] = add(p.grad)
+            specs.append(spec)
+            slots.append((s, len(specs) - 1))
+            self.params.append((p, had_state, s))
+            sig.append((s, tuple(sorted(spec["const"].items())), spec["grad_at"] is not None, spec["buf_at"] is not None,
+                        tuple(_meta(tensors[j]) for j in pos)))
+        f = Fuse(kind, slots, tensors, specs, tuple(sig))
+        f.writebacks = writebacks
+        f.new_state = [(p, "momentum_buffer") for (s, p, gi), spec in zip(items, specs)
+                       if kind == "sgd" and spec["const"]["momentum"] != 0 and spec["buf_at"] is None]
+        return f
+
+    def region_kind(self, base):
+        """The region kind of this call: ``base`` (``engine.FirstOrder``) for the regions without a
+        fused parameter, the fused trace and call for the others."""
+        return _FusedKind(self, base)
+
+    def finish(self, updated: set) -> None:
+        """After the call: a fused parameter that was updated lets go of the ``.grad`` its update
+        consumed; state made for one that got no grad is removed (eager's step never makes it)."""
+        c = _counters()
+        for p, had_state, s in self.params:
+            if s in updated:
+                c["fused_params"] += 1
+                p.grad = None
+            elif not had_state:
+                self.opt.state.pop(p, None)
+
+
+def _n_params(opt) -> int:
+    return sum(len(g["params"]) for g in opt.param_groups)
+
+
+def _init_state(kind, group, p, state) -> None:
+    """The lazy state the optimizer's own ``_init_group`` makes on a parameter's first step."""
+    if kind == "sgd":
+        if group["momentum"] != 0:
+            state["momentum_buffer"] = None
+        return
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    # (neither capturable nor fused: the step count lives on the CPU, as the optimizer keeps it)
+    state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+class _FusedKind:
+    """The region kind of a call with a fused optimizer (the executor's lookup, engine._run_region):
+    the base kind for regions without a fused parameter; for the others no specialized gather, a
+    region cache per fused signature, the region traced with its updates, and a call that passes
+    the parameters and state after the region's tensors."""
+
+    counts_hits = True
+
+    def __init__(self, call: FusedCall, base):
+        self.fc = call
+        self.base = base
+        self.updated: set = set()  # the fused slots whose parameter a region of this call updated
+
+    def _fuse(self, region):
+        return self.fc.by_region.get(region.index)
+
+    def fast(self, region, plan, nodes, metas, buf):
+        if self._fuse(region) is not None:
+            return None
+        return self.base.fast(region, plan, nodes, metas, buf)
+
+    def cache(self, region, plan, T):
+        f = self._fuse(region)
+        if f is None:
+            return self.base.cache(region, plan, T)
+        caches = region.fused_caches
+        c = caches.get(f.sig)
+        if c is None:
+            c = caches[f.sig] = RegionCache(f"{region.label} (fused optimizer)")
+        return c
+
+    def compile(self, region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache):
+        f = self._fuse(region)
+        if f is None:
+            return self.base.compile(region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache)
+        from .engine import _compile_region
+
+        c = _compile_region(region, plan, S, T, I, dd, di, backend, lT, lI, fuse=f)
+        c.fused_updated = frozenset(f.updated)
+        return c
+
+    def remember(self, region, plan, nodes, metas, buf, S, T, cache, hit: bool) -> None:
+        if self._fuse(region) is None:
+            self.base.remember(region, plan, nodes, metas, buf, S, T, cache, hit)
+
+    def call(self, region, plan, compiled, T, I, metas, buf, ctx) -> None:
+        f = self._fuse(region)
+        if f is None:
+            return self.base.call(region, plan, compiled, T, I, metas, buf, ctx)
+        from .engine import call_and_scatter
+
+        args = f.detached(compiled.args(T, I))
+        args.extend(f.tensors_for_call())
+        outs = call_and_scatter(region, plan, compiled, args, metas, buf, ctx)
+        n_kept = sum(1 for p in compiled.present if p)
+        for (p, key), t in zip(f.new_state, outs[n_kept:]):
+            self.fc.opt.state[p][key] = t
+        with torch.no_grad():
+            for dst, src in f.writebacks:
+                dst.copy_(src)
+        self.updated |= compiled.fused_updated
+
+
+def step(opt, clip_grad_norm) -> None:
+    """What follows a backward in a ``compiled_autograd(optimizer=opt)`` block: the plain path for
+    what was not fused (``clip_grad_norm_`` over every parameter's grad first, when asked), the
+    optimizer's ``step()`` (it skips the fused parameters, whose ``.grad`` is None, and runs its
+    hooks) and ``zero_grad(set_to_none=True)``."""
+    if clip_grad_norm is not None:
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        _plain("clip_grad_norm: the global norm needs every grad first", len(params))
+        torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
