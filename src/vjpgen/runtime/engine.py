@@ -217,9 +217,45 @@ def _gather_labeled(region: Region, plan: Plan, nodes, metas, buf):
     return tuple(S), T, I, tid, lT, lI
 
 
-def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: list, dyn_ints, present_out: list):
-    infos = plan.infos
+def region_state(region: Region, plan: Plan, S: tuple, T, I: list):
+    """Read a region's flattened inputs back: yields ``("in", bufs)`` once (the incoming grads by
+    slot), then per node ``(i, needs_input_grad, saved values, per needed edge (shape, dtype,
+    device))``, in the region's order (the one reader of S, for the region's function and for what
+    a fused optimizer asks of it)."""
     unflatten = capture.unflatten
+    infos = plan.infos
+    ipos = [0]
+    pos = 0
+    bufs = {}
+    for s in region.in_slots:
+        v, pos = unflatten(S, pos, T, I, ipos)
+        if v is not None:
+            bufs[s] = v
+    yield "in", bufs
+    for i in region.nodes:
+        info = infos[i]
+        nig = S[pos]
+        pos += 1
+        saved = []
+        for _ in range(info.n_saved):
+            v, pos = unflatten(S, pos, T, I, ipos)
+            saved.append(v)
+        emeta = []
+        for _ in info.out:
+            dtype, device, n = S[pos], S[pos + 1], S[pos + 2]
+            pos += 3
+            shape = I[ipos[0]: ipos[0] + n]
+            ipos[0] += n
+            emeta.append((shape, dtype, device))
+        yield i, nig, saved, emeta
+
+
+def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: list, dyn_ints, present_out: list,
+                    after_node=None):
+    """The region's function ``fn(*T, *dynamic ints) -> grads`` (the region's out slots, present
+    ones): each node's generated kernel on its saved values and incoming grads, grads validated and
+    summed as the engine does. ``after_node(i, bufs)``: called after node ``i`` (a fused optimizer)."""
+    infos = plan.infos
     validate = capture.validate_grad
     acc = capture.accumulate
 
@@ -228,30 +264,12 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
         I = list(I_template)
         for k, j in enumerate(dyn_ints):
             I[j] = args[nT + k]
-        ipos = [0]
-        pos = 0
-        bufs = {}
-        for s in region.in_slots:
-            v, pos = unflatten(S, pos, T, I, ipos)
-            if v is not None:
-                bufs[s] = v
+        state = region_state(region, plan, S, T, I)
+        _, bufs = next(state)
         tagger = capture.Tagger()
         tagger.start()
-        for i in region.nodes:
+        for i, nig, saved, emeta in state:
             info = infos[i]
-            nig = S[pos]
-            pos += 1
-            saved = []
-            for _ in range(info.n_saved):
-                v, pos = unflatten(S, pos, T, I, ipos)
-                saved.append(v)
-            emeta = []
-            for _ in info.out:
-                dtype, device, n = S[pos], S[pos + 1], S[pos + 2]
-                pos += 3
-                shape = I[ipos[0]: ipos[0] + n]
-                ipos[0] += n
-                emeta.append((shape, dtype, device))
             grads = [None if s is None else bufs.get(s) for s in info.in_slots]
             try:
                 outs = info.module.apply_functional(grads, nig, *saved)
@@ -269,6 +287,8 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
                 g = validate(g, shape, dtype, device, f"for input {nr} of {infos[d].name}")
                 bufs[s] = acc(bufs.get(s), g)
             tagger.tag(info.name)
+            if after_node is not None:
+                after_node(i, bufs)
         res = [bufs.get(s) for s in region.out_slots]
         present_out[:] = [r is not None for r in res]
         return [r for r in res if r is not None]
@@ -302,10 +322,11 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
         (list(T) if fuse is None else fuse.detached(T)) + extra, I, dd, di)
     dyn_ints = sorted(di)
     present: list = []
-    fn = _make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
     fake_args = list(fakes[:len(T)]) + [ivals[j] for j in dyn_ints]
-    if fuse is not None:
-        fn = fuse.wrap(region, fn, len(fake_args), present)
+    if fuse is None:
+        fn = _make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
+    else:
+        fn = fuse.region_fn(region, plan, S, T, I, dyn_ints, present)
         fake_args += fakes[len(T):]
         fakes = fakes[:len(T)]
     gm = capture.trace(fn, fake_args)

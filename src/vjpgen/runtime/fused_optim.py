@@ -120,49 +120,90 @@ class Fuse:
     def detached(T) -> list:
         return [t.detach() if isinstance(t, torch.Tensor) else t for t in T]
 
-    def wrap(self, region, fn, n_args: int, present: list):
-        """``fn(*T, *dyn)`` (the region's function) -> ``fused(*T, *dyn, *extras)``: the region's
-        outputs except the fused grads, which update their parameters in place, followed by the
-        state tensors the update creates (SGD's first momentum buffer)."""
-        out_slots = list(region.out_slots)
-        kind = self.kind
-        fused = dict(self.slots)  # slot -> spec index
-        specs = self.specs
+    def region_fn(self, region, plan, S, T, I, dyn_ints, present: list):
+        """The region's function followed by the fused updates: ``fn(*T, *dyn, *extras)`` returns
+        the region's grads but the fused ones, then the state tensors the updates create (SGD's
+        first momentum buffer). Each parameter is updated in place right after the last node of
+        the region that produces its grad or reads a saved tensor sharing its storage (its
+        weight's own backward node, usually), so its grad dies there, and every read of the
+        parameter in the backward sees the value from before the step, as eager's step after the
+        backward. ``T`` and ``I``: the region's real inputs (the emission points are read from them)."""
+        from .engine import _make_region_fn, region_state
 
+        kind = self.kind
+        specs = self.specs
+        fused = dict(self.slots)  # slot -> spec index
+        where = _emission_points(region, plan, S, T, I, {s: self.tensors[specs[k]["pos"][0]] for s, k in fused.items()})
         updated = self.updated = set()  # (at trace time) the fused slots whose parameter is updated
+        n_args = len(T) + len(dyn_ints)
+        call = {}
+
+        def update(s, grad):
+            spec = specs[fused[s]]
+            t = [call["extras"][j] for j in spec["pos"]]
+            old = t[spec["grad_at"]] if spec["grad_at"] is not None else None
+            if grad is None:
+                grad = old
+            elif old is not None:
+                grad = old + grad
+            if grad is None:  # no grad at all: eager's step skips the parameter
+                return
+            updated.add(s)
+            call["new"][s] = _update(kind, spec, t, grad)
+
+        def after_node(i, bufs):
+            for s in where.get(i, ()):
+                update(s, bufs.pop(s, None))
+
+        base = _make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present, after_node)
 
         def fused_fn(*args):
-            outs = fn(*args[:n_args])
-            extras = args[n_args:]
-            it = iter(outs)
-            grads = {}
-            for s, p in zip(out_slots, list(present)):
-                grads[s] = next(it) if p else None
-            new_state = []
-            kept = []
-            for k, s in enumerate(out_slots):
-                if s not in fused:
-                    if present[k]:
-                        kept.append(grads[s])
-                    continue
-                spec = specs[fused[s]]
-                t = [extras[j] for j in spec["pos"]]
-                grad = grads[s]
-                old = t[spec["grad_at"]] if spec["grad_at"] is not None else None
-                if grad is None:
-                    grad = old
-                elif old is not None:
-                    grad = old + grad
-                if grad is None:  # no grad at all: eager's step skips the parameter
-                    continue
-                updated.add(s)
-                new_state.extend(_update(kind, spec, t, grad))
-            for k, s in enumerate(out_slots):
-                if s in fused:
-                    present[k] = False
-            return kept + new_state
+            call["extras"] = args[n_args:]
+            call["new"] = {}
+            outs = base(*args[:n_args])
+            new_state = [t for s, _ in self.slots for t in call["new"].get(s, ())]
+            call.clear()
+            return list(outs) + new_state
 
         return fused_fn
+
+
+def _tensors_in(v, out: list) -> list:
+    if isinstance(v, torch.Tensor):
+        out.append(v)
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _tensors_in(x, out)
+    return out
+
+
+def _emission_points(region, plan, S, T, I, params: dict) -> dict:
+    """Node index -> the fused slots whose update follows that node: after the later of the last
+    node producing the slot's grad and the last node reading a saved tensor that shares storage
+    with its parameter."""
+    from .engine import region_state
+
+    storage = {s: p.untyped_storage().data_ptr() for s, p in params.items()}
+    at = {t_id: k for k, t_id in enumerate(id(t) for t in T)}
+    aliases = {}
+    for s, ptr in storage.items():
+        aliases[s] = {k for k, t in enumerate(T) if isinstance(t, torch.Tensor) and t.layout == torch.strided
+                      and t.untyped_storage().data_ptr() == ptr}
+    last: dict = {}
+    state = region_state(region, plan, S, T, list(I))
+    next(state)
+    for i, _, saved, _ in state:
+        reads = {at[id(t)] for t in _tensors_in(saved, []) if id(t) in at}
+        for s in params:
+            if aliases[s] & reads:
+                last[s] = i
+        for (_, s, _, _) in plan.infos[i].out:
+            if s in params:
+                last[s] = i
+    where: dict = {}
+    for s, i in last.items():
+        where.setdefault(i, []).append(s)
+    return where
 
 
 def _update(kind, spec, t, grad) -> list:
