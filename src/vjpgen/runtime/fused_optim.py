@@ -264,6 +264,9 @@ class FusedCall:
         from .plan import Region
 
         sinks = [(ai, s) for ai, s in plan.acc_sinks if id(nodes[ai].variable) in group_of]
+        hooked = sum(1 for ai in plan.live_acc_bytes if id(nodes[ai].variable) in group_of)
+        if hooked:  # (a hook on the parameter, DDP's reducer's included: its AccumulateGrad runs live)
+            _plain("a hook on the parameter: its AccumulateGrad runs live", hooked)
         # one compiled region and nothing else: a parameter is updated at the end of the region that
         # reads it, after its last read (with later regions or live nodes, one could read a parameter
         # updated earlier in the same backward, where eager's step comes after the whole backward)
