@@ -280,3 +280,31 @@ def test_inductor_step_peaks_below_eager_minus_the_grads():
             backward(m(x).sum())
         peaks[fused] = peak_backward_bytes(lambda: m(x).sum(), backward, before=lambda: o.zero_grad(set_to_none=True))
     assert peaks[True] <= peaks[False] - grads, (peaks, grads)
+
+
+def test_grad_scaler_steps_as_eager_with_a_skipped_step():
+    """AMP's GradScaler (enabled on the CPU): unscale, the inf check (a step whose grads overflow is
+    skipped), the scale's update, as eager's ``scaler.step`` / ``update``; the plain path, counted."""
+    model = _net()
+    m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
+    o0, o1 = torch.optim.SGD(m0.parameters(), lr=0.1), torch.optim.SGD(m1.parameters(), lr=0.1)
+    s0, s1 = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) for _ in range(2))
+    for step in range(5):
+        b = _data(step)
+        scale_inf = step == 2  # an overflowing loss: this step is skipped and the scale halved
+
+        def loss_of(m):
+            loss = _loss(m, *b)
+            return loss * float("inf") if scale_inf else loss
+
+        o0.zero_grad(set_to_none=True)
+        s0.scale(loss_of(m0)).backward()
+        s0.unscale_(o0)
+        torch.nn.utils.clip_grad_norm_(m0.parameters(), 1.0)
+        s0.step(o0)
+        s0.update()
+        with rt.compiled_autograd(BK, optimizer=o1, clip_grad_norm=1.0, grad_scaler=s1):
+            s1.scale(loss_of(m1)).backward()
+        assert s1.get_scale() == s0.get_scale()
+    _same(m0, o0, m1, o1)
+    assert "a grad scaler: its inf check needs every grad first" in rt.stats()["fused_optimizer"]["plain_reasons"]

@@ -140,7 +140,8 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
 
 
 def _optimizer():
-    """This thread's innermost ``compiled_autograd(optimizer=...)``: (optimizer, clip_grad_norm) or None."""
+    """This thread's innermost ``compiled_autograd(optimizer=...)``: (optimizer, clip_grad_norm,
+    grad_scaler) or None."""
     opts = getattr(_local, "optimizers", None)
     return opts[-1] if opts else None
 
@@ -297,7 +298,8 @@ def _execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, 
     else:
         ctx = engine.CallContext(backend, not retain_graph, engine.FirstOrder, leaves.accumulate_leaves)
         opt = _optimizer() if accumulate and getattr(_local, "run_depth", 0) == 1 else None
-        if opt is not None and opt[1] is None:  # (clip_grad_norm needs every grad first: the plain path)
+        # (clip_grad_norm needs every grad first, a grad scaler decides after all of them: the plain path)
+        if opt is not None and opt[1] is None and opt[2] is None:
             fused = fused_optim.FusedCall(opt[0], plan, nodes)
             if fused.by_region:
                 ctx.kind = fused.region_kind(engine.FirstOrder)
@@ -616,7 +618,7 @@ def _patched_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_gra
 
 
 @contextlib.contextmanager
-def compiled_autograd(backend="inductor", optimizer=None, clip_grad_norm=None):
+def compiled_autograd(backend="inductor", optimizer=None, clip_grad_norm=None, grad_scaler=None):
     """Within the block, ``Tensor.backward``, ``torch.autograd.backward`` and
     ``torch.autograd.grad`` run through vjpgen (on this thread; other threads keep their own
     setting). The call is intercepted where all of them reach torch's engine
@@ -627,23 +629,26 @@ def compiled_autograd(backend="inductor", optimizer=None, clip_grad_norm=None):
     and ``zero_grad(set_to_none=True)``: the parameters are updated and no ``.grad`` is left. The
     update of each parameter vjpgen can fuse is traced into the compiled region that completes its
     grad (runtime/fused_optim.py). ``clip_grad_norm=max_norm`` clips the grads by their global
-    2-norm first, as ``torch.nn.utils.clip_grad_norm_`` does. For gradient accumulation, run the
-    earlier micro-batches' backwards without ``optimizer`` and the last one with it."""
+    2-norm first, as ``torch.nn.utils.clip_grad_norm_`` does. With ``grad_scaler`` (AMP's
+    ``torch.amp.GradScaler``; the loss given to ``backward`` is ``scaler.scale(loss)``) the step is
+    eager's scaled one: ``unscale_``, the clipping, ``scaler.step(opt)`` (skipped on inf or NaN),
+    ``scaler.update()``. For gradient accumulation, run the earlier micro-batches' backwards
+    without ``optimizer`` and the last one with it."""
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"vjpgen: compiled_autograd(optimizer=...) takes a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    if clip_grad_norm is not None and optimizer is None:
-        raise ValueError("vjpgen: compiled_autograd(clip_grad_norm=...) clips before the optimizer's step: "
-                         "pass optimizer= too")
+    if (clip_grad_norm is not None or grad_scaler is not None) and optimizer is None:
+        raise ValueError("vjpgen: compiled_autograd(clip_grad_norm=..., grad_scaler=...) act on the optimizer's "
+                         "step: pass optimizer= too")
     torchscript.plain_autodiff()  # (once: later scripted forwards record per-op nodes)
     st = _stack()
     st.append(backend)
     opts = getattr(_local, "optimizers", None)
     if opts is None:
         opts = _local.optimizers = []
-    opts.append(None if optimizer is None else (optimizer, clip_grad_norm))
+    opts.append(None if optimizer is None else (optimizer, clip_grad_norm, grad_scaler))
     _install()
     try:
         yield

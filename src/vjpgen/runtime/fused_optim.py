@@ -446,14 +446,24 @@ class _FusedKind:
         self.updated |= compiled.fused_updated
 
 
-def step(opt, clip_grad_norm) -> None:
-    """What follows a backward in a ``compiled_autograd(optimizer=opt)`` block: the plain path for
-    what was not fused (``clip_grad_norm_`` over every parameter's grad first, when asked), the
-    optimizer's ``step()`` (it skips the fused parameters, whose ``.grad`` is None, and runs its
-    hooks) and ``zero_grad(set_to_none=True)``."""
+def step(opt, clip_grad_norm, grad_scaler=None) -> None:
+    """What follows a backward in a ``compiled_autograd(optimizer=opt)`` block: eager's step for
+    what was not fused: with a grad scaler ``unscale_`` first; ``clip_grad_norm_`` over every
+    parameter's grad when asked; the optimizer's ``step()`` (it skips the fused parameters, whose
+    ``.grad`` is None, and runs its hooks), through the scaler when there is one (skipped on inf or
+    NaN, then ``update()``); ``zero_grad(set_to_none=True)``."""
+    n = sum(1 for g in opt.param_groups for p in g["params"] if p.grad is not None)
+    if grad_scaler is not None:
+        _plain("a grad scaler: its inf check needs every grad first", n)
+        grad_scaler.unscale_(opt)
     if clip_grad_norm is not None:
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        _plain("clip_grad_norm: the global norm needs every grad first", len(params))
+        if grad_scaler is None:
+            _plain("clip_grad_norm: the global norm needs every grad first", len(params))
         torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-    opt.step()
+    if grad_scaler is not None:
+        grad_scaler.step(opt)
+        grad_scaler.update()
+    else:
+        opt.step()
     opt.zero_grad(set_to_none=True)
