@@ -67,9 +67,11 @@ def _grads(params):
     return [None if p.grad is None else _local(p.grad).detach().clone() for p in params]
 
 
-def _train(model, params, rank, runtime=False, steps=STEPS):
+def _train(model, params, rank, runtime=False, steps=STEPS, optimizer=False):
     """``steps`` Adam steps; (grads after each backward, final params), local shards for FSDP2.
-    ``runtime``: each backward under ``vjpgen.runtime.compiled_autograd("aot_eager")``."""
+    ``runtime``: each backward under ``vjpgen.runtime.compiled_autograd("aot_eager")``;
+    ``optimizer``: under ``compiled_autograd("aot_eager", optimizer=opt)``, which steps (no grads
+    are left to compare: None each step)."""
     import vjpgen.runtime as rt
 
     opt = torch.optim.Adam(params, lr=1e-2)
@@ -77,6 +79,11 @@ def _train(model, params, rank, runtime=False, steps=STEPS):
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = model(_batch(rank, step)).square().mean()
+        if optimizer:
+            with rt.compiled_autograd("aot_eager", optimizer=opt):
+                loss.backward()
+            grads.append(None)
+            continue
         if runtime:
             with rt.compiled_autograd("aot_eager"):
                 loss.backward()
@@ -137,6 +144,11 @@ CASES = {
     # the code between the sharded modules: one graph per block's activation
     "fsdp2": dict(make=_fsdp2, compiled=dict(compiled=True), graphs=3),
     "fsdp2_compiled_blocks": dict(make=_fsdp2, compiled=dict(compile_blocks=True), graphs=3),
+    # compiled_autograd(optimizer=opt): the parameters' hooks (DDP's reducer, FSDP2's) make their
+    # AccumulateGrad live, so the step is the plain one after the backward (after the all-reduce or
+    # reduce-scatter), counted
+    "ddp_optimizer_in_backward": dict(make=_ddp, compiled=dict(compiled=True), optimizer=True, graphs=1),
+    "fsdp2_optimizer_in_backward": dict(make=_fsdp2, compiled=dict(compile_blocks=True), optimizer=True, graphs=3),
     "fsdp2_compiled_blocks_no_reshard": dict(
         make=_fsdp2, eager=dict(reshard_after_forward=False),
         compiled=dict(compile_blocks=True, reshard_after_forward=False), graphs=3,
@@ -157,7 +169,8 @@ def run_cases(rank, world_size, names):
         torch._dynamo.reset()
         ge, pe = _train(*c["make"](**c.get("eager", {})), rank)
         rt.reset_stats()
-        gv, pv = _train(*c["make"](**c["compiled"]), rank, runtime=c.get("runtime", False))
+        gv, pv = _train(*c["make"](**c["compiled"]), rank, runtime=c.get("runtime", False),
+                        optimizer=c.get("optimizer", False))
         out[name] = (ge, gv, pe, pv, rt.stats())
     torch._dynamo.reset()
     return out

@@ -20,6 +20,8 @@ def test_compiled_matches_eager(results, name):
     for rank, res in enumerate(results):
         ge, gv, pe, pv, stats = res[name]
         for step, (a_list, b_list) in enumerate(zip(ge, gv)):
+            if b_list is None:  # the optimizer stepped in the backward: no grads left (params below)
+                continue
             assert len(a_list) == len(b_list)
             for i, (a, b) in enumerate(zip(a_list, b_list)):
                 assert a is not None and b is not None, (rank, step, i)
@@ -30,6 +32,12 @@ def test_compiled_matches_eager(results, name):
         b = stats["backend"]
         assert b["fallbacks"] == 0, b["fallback_reasons"]
         assert b["graphs"] == case["graphs"] and b["compiles"] == {1: case["graphs"]}, b
+        if case.get("optimizer"):  # the plain step after the backward (after DDP's all-reduce, FSDP2's reduce-scatter)
+            f = stats["fused_optimizer"]
+            assert f["fused_params"] == 0, f
+            if name.startswith("ddp"):  # every parameter has the reducer's hook
+                assert f["plain_reasons"] == {"a hook on the parameter: its AccumulateGrad runs live": len(pv) * STEPS}, f
+            # (FSDP2: the sharded parameters the optimizer holds are not the backward's leaves)
         if case.get("runtime"):  # the backend's backward traced into the runtime's region
             assert stats["eager_fallbacks"] == 0, stats["eager_fallback_reasons"]
             assert stats["compiles"] == 1 and stats["cache_hits"] == STEPS - 1, stats
