@@ -106,7 +106,10 @@ class Fuse:
         self.kind = kind
         self.slots = slots  # per fused sink: (slot, spec index)
         self.tensors = tensors
-        self.specs = specs  # per fused sink: (param, state keys, constants, positions in tensors, new state)
+        # per fused sink: {"pos": its tensors' positions in ``tensors`` (the parameter first), "const":
+        # the group's constants, "lr_at" / "grad_at" / "buf_at": where in "pos" the learning rate,
+        # the accumulated .grad and SGD's momentum buffer are (None: absent)}
+        self.specs = specs
         self.sig = sig
 
     def tensors_for_call(self) -> list:
@@ -128,7 +131,7 @@ class Fuse:
         weight's own backward node, usually), so its grad dies there, and every read of the
         parameter in the backward sees the value from before the step, as eager's step after the
         backward. ``T`` and ``I``: the region's real inputs (the emission points are read from them)."""
-        from .engine import _make_region_fn, region_state
+        from .engine import _make_region_fn
 
         kind = self.kind
         specs = self.specs
