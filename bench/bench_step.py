@@ -26,10 +26,15 @@ and as mace prepares it for torch.compile (``mace.tools.compile``: code generati
 blocks: ``mace``). A step is forward, the create_graph grads, the loss's backward (no optimizer, as
 bench_higher_order.py). Methods: eager; ``vjpgen runtime`` (``compiled_autograd("inductor")`` around
 the whole step); ``vjpgen backend`` (the energy function, the critic or the PINN's net compiled with
-``backend="vjpgen"``, the create_graph grads outside it); ``vjpgen backend, one graph`` (force
-field and MACE: energy and forces in one compiled graph, ``torch.autograd.grad`` traced into it under
-dynamo's ``trace_autograd_ops``, the loss's backward outside); ``JAX`` (``jax.jit(jax.grad(loss))``
-of the same model with the same weights: force field, WGAN-GP, PINN).
+``backend="vjpgen"``, the create_graph grads outside it); ``vjpgen backend, one graph`` (the
+create_graph grads traced into one compiled graph with what they differentiate, under dynamo's
+``trace_autograd_ops``, the loss's backward outside: the force field's and MACE's energy and forces,
+WGAN-GP's gradient penalty, the PINN's residual with both derivatives; WGAN-GP's critic on the fake
+and real data and the PINN's boundary term through a compiled function of their own); ``JAX``
+(``jax.jit(jax.grad(loss))`` of the same model with the same weights: force field, WGAN-GP, PINN).
+Targets: the force field's step ≤ 0.4× eager's (each vjpgen method) and ≤ JAX's; WGAN-GP's and the
+PINN's ≤ 0.6× eager's (the best vjpgen method; every method's ratio beside it); MACE without graph
+breaks.
 
 Measured per model / workload and method, in one process: the step (interleaved rounds: each round
 times every method once, ``torch.utils.benchmark`` blocked_autorange; median of all blocks with the
@@ -497,6 +502,65 @@ SIZES = {**bho.SIZES, "mace-script": MACE_SIZES, "mace": MACE_SIZES}
 SMOKE_SIZES = {**bho.SMOKE_SIZES, "mace-script": MACE_SMOKE_SIZES, "mace": MACE_SMOKE_SIZES}
 SMOKE_WORKLOADS = ("forcefield", "wgan_gp", "pinn", "mace")
 STEP_TARGETS = {"forcefield": 0.4, "wgan_gp": 0.6, "pinn": 0.6}  # vjpgen's step at most this × eager's
+BEST_METHOD_TARGETS = ("wgan_gp", "pinn")  # one verdict, on the fastest vjpgen method (the force field: one per method)
+
+
+def _tracing_autograd_ops():
+    """dynamo's ``trace_autograd_ops`` on while a one-graph function is called (and traced)."""
+    return torch._dynamo.config.patch(trace_autograd_ops=True)
+
+
+def wgan_gp_one_graph(critic, c):
+    """examples.demo_higher_order's WGAN-GP step (the same loss) with its gradient penalty, the
+    critic's create_graph grad included, in one graph compiled by ``c``; the critic's calls on
+    fake and real data through a compiled function of their own (not the penalty's graph, not the
+    ``vjpgen backend`` variant's compiled critic); the loss's backward outside both."""
+
+    def penalty(x):
+        (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+        return ((g.norm(2, dim=1) - 1) ** 2).mean()
+
+    def scores(h):
+        return critic(h)
+
+    penalty_c, scores_c = c(penalty), c(scores)
+
+    def step(real, fake, eps):
+        x = (eps * real + (1 - eps) * fake).requires_grad_()
+        with _tracing_autograd_ops():
+            gp = penalty_c(x)
+        loss = scores_c(fake).mean() - scores_c(real).mean() + 10.0 * gp
+        loss.backward()
+        return loss
+
+    return step
+
+
+def pinn_one_graph(net, bc, c):
+    """examples.demo_higher_order's PINN step (the same loss) with its residual, both create_graph
+    grads included, in one graph compiled by ``c``; the boundary term ``net(bc)`` through a
+    compiled function of its own; the loss's backward outside both."""
+
+    def residual(x):
+        u = net(x)
+        (u_x,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        (u_xx,) = torch.autograd.grad(u_x.sum(), x, create_graph=True)
+        return -u_xx - math.pi**2 * torch.sin(math.pi * x)
+
+    def boundary(b):
+        return net(b)
+
+    residual_c, boundary_c = c(residual), c(boundary)
+
+    def step(x):
+        x = x.detach().requires_grad_()
+        with _tracing_autograd_ops():
+            res = residual_c(x)
+        loss = (res**2).mean() + (boundary_c(bc) ** 2).mean()
+        loss.backward()
+        return loss
+
+    return step
 
 
 def backend_steps(name, step, compiler) -> dict:
@@ -505,9 +569,13 @@ def backend_steps(name, step, compiler) -> dict:
         return _compiled(fn, "vjpgen backend", compiler)
 
     if name == "wgan_gp":
-        return {"vjpgen backend": with_closure(step, critic=c(closure_var(step, "critic")))}
+        critic = closure_var(step, "critic")
+        return {"vjpgen backend": with_closure(step, critic=c(critic)),
+                BACKEND_ONE_GRAPH: wgan_gp_one_graph(critic, c)}
     if name == "pinn":
-        return {"vjpgen backend": with_closure(step, net=c(closure_var(step, "net")))}
+        net = closure_var(step, "net")
+        return {"vjpgen backend": with_closure(step, net=c(net)),
+                BACKEND_ONE_GRAPH: pinn_one_graph(net, closure_var(step, "bc"), c)}
     energy = step.energy
     one_graph = step.energy_forces if name.startswith("mace") else forces_outside(energy)
     return {"vjpgen backend": force_step(forces_outside(c(energy))),
@@ -796,7 +864,20 @@ def targets(out) -> list:
                     rows.append(("force-field step ≤ JAX jit's", f"forcefield, {k}",
                                  f"{v:.2f} vs {j:.2f} ms = {v / j:.3f}×" if j else "JAX not measured",
                                  _verdict(v / j if j else None, 1.0)))
-        if name in STEP_TARGETS:
+        if name in BEST_METHOD_TARGETS:  # one row: the fastest vjpgen method, every method's ratio beside it
+            lim, ks = STEP_TARGETS[name], [k for k in vjp if k in st]
+            if ks and e:
+                best = min(ks, key=lambda k: st[k]["median"])
+                v = st[best]["median"]
+                rows.append((f"{name} step ≤ {lim}× eager (the best vjpgen method)", f"{name}, best: {best}",
+                             f"{v:.2f} vs {e:.2f} ms = {v / e:.3f}×; every method / eager: "
+                             + "; ".join(f"{k} {st[k]['median'] / e:.3f}×" for k in ks)
+                             + "".join(f"; {k} failed" for k in vjp if k in err),
+                             _verdict(v / e, lim)))
+            else:
+                rows.append((f"{name} step ≤ {lim}× eager (the best vjpgen method)", name,
+                             "failed: " + "; ".join(f"{k}: {v}" for k, v in err.items()), "**missed**"))
+        elif name in STEP_TARGETS:
             lim = STEP_TARGETS[name]
             for k in vjp:
                 if k in st:
@@ -929,8 +1010,8 @@ def render(out, argv) -> str:
             L += [f"- {m}: the `CppFunction` nodes of eager's step graph, by C++ name: "
                   + ", ".join(f"`{k}` ×{v}" for k, v in d.items()) for m, d in cpp]
         L += profile_tables([(r["name"], r["profile"]) for r in hs if r.get("profile")],
-                            "the higher-order steps where a vjpgen method misses its target (force field 0.4×, WGAN-GP and PINN "
-                            "0.6× eager)")
+                            "the higher-order steps where a vjpgen method is over its target's limit (force field 0.4×, "
+                            "WGAN-GP and PINN 0.6× eager)")
         L += ["", "JAX: peak memory not measured (XLA's CPU client keeps no allocator statistics here). "
               "Its grad rel. diff is against eager's grads of the same weights."]
     T = targets(out)
