@@ -476,15 +476,16 @@ def _part(w: _Writer, lines: list, label: str, k: int):
     return glb["part"]
 
 
-def lookup(region, nodes, metas, buf):
-    """Run the region's specializations: ``(T, I, by_ints, by_meta, entry, arm)`` for the first
-    whose checks pass (the cache's entry tables for that ``S``), or None.
+def lookup(region, nodes, metas, buf, specs=None):
+    """Run the region's specializations (or ``specs``: those a fused optimizer's region keeps with
+    its own cache): ``(T, I, by_ints, by_meta, entry, arm)`` for the first whose checks pass (the
+    cache's entry tables for that ``S``), or None.
 
     ``entry``: the compiled entry when the native program was armed with it and this call's
     tensors and ints are those it was armed on (then ``I`` is empty and no guard need run: see
     ``arm`` in _native.cpp); else None, and ``arm`` (or None) is ``arm(entry)`` for the static
     entry the guards choose, so later such calls skip the guards too."""
-    for fn, by_ints, by_meta in region.fast:
+    for fn, by_ints, by_meta in region.fast if specs is None else specs:
         nat = fn.__vjpgen_native__
         if nat is not None:
             r = nat(nodes, metas, buf)
@@ -519,18 +520,23 @@ class _Arm:
         self.prog.arm(self.token, None if entry.dynamic else entry)
 
 
-def remember(region, plan, nodes, metas, buf, S: tuple) -> None:
-    """Add a specialization for ``S`` to ``region`` (at most a few per region, each tried once).
-    Call it before the region runs: it reads the nodes' saved values and ``buf`` again."""
-    if len(region.fast_keys) >= _MAX_PER_REGION or S in region.fast_keys:
-        return
-    region.fast_keys.add(S)
+def remember(region, plan, nodes, metas, buf, S: tuple, cache=None, specs=None, keys=None):
+    """Add a specialization for ``S`` to ``region`` (at most a few per region, each tried once) and
+    return it (None if there was none to add). Call it before the region runs: it reads the nodes'
+    saved values and ``buf`` again. ``cache``, ``specs``, ``keys``: another cache than the region's
+    and the lists its specializations are kept in (a fused optimizer's region)."""
+    specs = region.fast if specs is None else specs
+    keys = region.fast_keys if keys is None else keys
+    if len(keys) >= _MAX_PER_REGION or S in keys:
+        return None
+    keys.add(S)
     try:
         fn = specialize(region, plan, nodes, metas, buf, S)
     except Exception as e:  # never fatal: the general path keeps working
         log.debug("vjpgen: specializing the gather of %s failed: %s", region.label, e)
         fn = None
     if fn is None:
-        return
-    by_ints, by_meta = region.cache.tables(S)
-    region.fast.append((fn, by_ints, by_meta))
+        return None
+    by_ints, by_meta = (region.cache if cache is None else cache).tables(S)
+    specs.append((fn, by_ints, by_meta))
+    return fn

@@ -98,25 +98,29 @@ def _param_reason(p) -> str | None:
 
 
 class Fuse:
-    """The optimizer updates traced into one region: per fused sink, the parameter, its state and
-    the group's hyper-parameters. ``tensors``: the graph's extra inputs, after the region's own;
-    ``sig``: what the compiled graph is specialized on (its cache key beside the region's)."""
+    """The optimizer updates traced into one region (made once per plan and optimizer, see
+    :class:`_Template`): per fused sink the positions of its tensors among the graph's extra
+    inputs (the parameter, its state, the group's learning rate, an accumulated ``.grad``).
+    ``tensors``: those inputs for this call; ``sig``: what a compiled graph is specialized on."""
 
-    def __init__(self, kind, slots, tensors, specs, sig):
+    def __init__(self, kind, slots, specs, params):
         self.kind = kind
         self.slots = slots  # per fused sink: (slot, spec index)
-        self.tensors = tensors
         # per fused sink: {"pos": its tensors' positions in ``tensors`` (the parameter first), "const":
         # the group's constants, "lr_at" / "grad_at" / "buf_at": where in "pos" the learning rate,
         # the accumulated .grad and SGD's momentum buffer are (None: absent)}
         self.specs = specs
-        self.sig = sig
+        self.params = params  # per fused sink: the parameter
+        self.tensors: list = []
+        self.sig = ()
+        self.lr_positions: frozenset = frozenset()
+        self.updated: set = set()
 
     def tensors_for_call(self) -> list:
         """The extra inputs as the compiled graph takes them: detached (the graph updates the
         parameters in place, under no grad mode, as an optimizer's step does), but the learning
-        rates made here."""
-        lr = {spec["pos"][spec["lr_at"]] for spec in self.specs}
+        rates (made here; SGD's requires grad: its single-tensor path's tensor branch)."""
+        lr = self.lr_positions
         return [t if j in lr else t.detach() for j, t in enumerate(self.tensors)]
 
     @staticmethod
@@ -136,9 +140,11 @@ class Fuse:
         kind = self.kind
         specs = self.specs
         fused = dict(self.slots)  # slot -> spec index
-        where = _emission_points(region, plan, S, T, I, {s: self.tensors[specs[k]["pos"][0]] for s, k in fused.items()})
+        params = {s: self.params[k] for s, k in self.slots}
+        where = _emission_points(region, plan, S, T, I, params)
         updated = self.updated = set()  # (at trace time) the fused slots whose parameter is updated
         n_args = len(T) + len(dyn_ints)
+        nT = len(T)
         call = {}
 
         def update(s, grad):
@@ -158,11 +164,16 @@ class Fuse:
             for s in where.get(i, ()):
                 update(s, bufs.pop(s, None))
 
-        base = _make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present, after_node)
+        base = _make_region_fn(region, plan, S, nT, list(I), dyn_ints, present, after_node)
 
         def fused_fn(*args):
-            call["extras"] = args[n_args:]
+            extras = args[n_args:]
+            call["extras"] = extras
             call["new"] = {}
+            # (saved tensors that are views of a parameter stay inputs of their own: AOTAutograd
+            # merges them with the parameter into one base, so the in-place update comes after
+            # their reads; remaking them from the parameter in the graph made Inductor keep a copy
+            # of every parameter: 5.7 MiB against 1.1 on the 6-layer MLP of the memory test)
             outs = base(*args[:n_args])
             new_state = [t for s, _ in self.slots for t in call["new"].get(s, ())]
             call.clear()
@@ -212,56 +223,56 @@ def _emission_points(region, plan, S, T, I, params: dict) -> dict:
 def _update(kind, spec, t, grad) -> list:
     """One parameter's update by torch's single-tensor functional code, in place on ``t`` (the
     parameter and its state); returns the state tensors it created."""
-    c = spec["const"]
     param = t[0]
+    lr = t[spec["lr_at"]]
     if kind == "sgd":
-        lr = t[spec["lr_at"]]
+        weight_decay, momentum, dampening, nesterov, maximize = spec["const"]
         bufs = [t[spec["buf_at"]] if spec["buf_at"] is not None else None]
         _sgd._single_tensor_sgd(
-            [param], [grad], bufs, None, None, weight_decay=c["weight_decay"], momentum=c["momentum"], lr=lr,
-            dampening=c["dampening"], nesterov=c["nesterov"], maximize=c["maximize"], has_sparse_grad=False,
+            [param], [grad], bufs, None, None, weight_decay=weight_decay, momentum=momentum, lr=lr,
+            dampening=dampening, nesterov=nesterov, maximize=maximize, has_sparse_grad=False,
         )
-        if c["momentum"] != 0 and spec["buf_at"] is None:
+        if momentum != 0 and spec["buf_at"] is None:
             return [bufs[0]]
         return []
+    beta1, beta2, eps, weight_decay, amsgrad, maximize = spec["const"]
     exp_avg, exp_avg_sq, step = t[1], t[2], t[3]
-    lr = t[spec["lr_at"]]
-    max_sq = [t[4]] if c["amsgrad"] else []
+    max_sq = [t[4]] if amsgrad else []
     # differentiable=True: the path that keeps the step count and the learning rate tensors (the
     # capturable path asserts a CUDA device); the arithmetic is the capturable path's
     _adam._single_tensor_adam(
-        [param], [grad], [exp_avg], [exp_avg_sq], max_sq, [step], None, None, amsgrad=c["amsgrad"],
-        has_complex=False, beta1=c["beta1"], beta2=c["beta2"], lr=lr, weight_decay=c["weight_decay"],
-        eps=c["eps"], maximize=c["maximize"], capturable=False, differentiable=True,
+        [param], [grad], [exp_avg], [exp_avg_sq], max_sq, [step], None, None, amsgrad=amsgrad,
+        has_complex=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
+        eps=eps, maximize=maximize, capturable=False, differentiable=True,
         decoupled_weight_decay=kind == "adamw",
     )
     return []
 
 
 def _meta(t) -> tuple:
-    return (t.dtype, t.device, tuple(t.shape), tuple(t.stride()), t.requires_grad)
+    return (t.dtype, t.device, tuple(t.shape), tuple(t.stride()))
 
 
-class FusedCall:
-    """One backward call's fused optimizer: which of the plan's leaf sinks are fused in which region
-    (read from the plan and the optimizer at the start of the call), and the region kind that
-    traces and calls them (:meth:`region_kind`)."""
+class _Template:
+    """What one plan's backward fuses of one optimizer, worked out on its first call and reused:
+    the fused sinks and their groups, the reasons of the others, the learning-rate tensors (one per
+    group, refilled when a scheduler changes the rate) and Adam's float64 step counts."""
 
     def __init__(self, opt, plan, nodes):
-        self.opt = opt
         self.kind = _kind(opt)
-        self.by_region: dict = {}  # region index -> Fuse
-        self.params: list = []  # (param, region, whether it had state before)
-        self.new_state: dict = {}  # region index -> [(param, state key)] filled from the graph's outputs
-        if self.kind is None:
-            _plain(f"{type(opt).__name__}: no fused update for this optimizer class", _n_params(opt))
+        self.plain: list = []  # (reason, number of parameters), counted on every call
+        self.items: list = []  # (slot, param, group index)
+        self.region = None
+        kind = self.kind
+        if kind is None:
+            self.plain.append((f"{type(opt).__name__}: no fused update for this optimizer class", _n_params(opt)))
             return
         if _has_step_hooks(opt):
-            _plain("the optimizer has step hooks", _n_params(opt))
+            self.plain.append(("the optimizer has step hooks", _n_params(opt)))
             return
         group_of = {}
         for gi, group in enumerate(opt.param_groups):
-            r = _group_reason(self.kind, group)
+            r = _group_reason(kind, group)
             for p in group["params"]:
                 group_of[id(p)] = (gi, r)
         from .plan import Region
@@ -269,84 +280,142 @@ class FusedCall:
         sinks = [(ai, s) for ai, s in plan.acc_sinks if id(nodes[ai].variable) in group_of]
         hooked = sum(1 for ai in plan.live_acc_bytes if id(nodes[ai].variable) in group_of)
         if hooked:  # (a hook on the parameter, DDP's reducer's included: its AccumulateGrad runs live)
-            _plain("a hook on the parameter: its AccumulateGrad runs live", hooked)
+            self.plain.append(("a hook on the parameter: its AccumulateGrad runs live", hooked))
         # one compiled region and nothing else: a parameter is updated at the end of the region that
         # reads it, after its last read (with later regions or live nodes, one could read a parameter
         # updated earlier in the same backward, where eager's step comes after the whole backward)
         if len(plan.steps) != 1 or type(plan.steps[0]) is not Region:
             if sinks:
-                _plain("the backward has more than one compiled region or a live node", len(sinks))
+                self.plain.append(("the backward has more than one compiled region or a live node", len(sinks)))
             return
-        items = []
         for ai, s in sinks:
             var = nodes[ai].variable
             gi, reason = group_of[id(var)]
             reason = reason or _param_reason(var)
             if reason is not None:
-                _plain(reason)
+                self.plain.append((reason, 1))
                 continue
-            items.append((s, var, gi))
-        if items:
-            self.by_region[plan.steps[0].index] = self._fuse(items)
+            self.items.append((s, var, gi))
+        self.region = plan.steps[0].index if self.items else None
+        self.lr: dict = {}  # group index -> (its rate as last filled, the tensor)
+        self.step64: dict = {}  # id(param) -> its float64 step count
+        self.metas: dict = {}  # id(tensor) -> (tensor, _meta)
 
-    def _fuse(self, items) -> Fuse:
-        opt, kind = self.opt, self.kind
+    def lr_tensor(self, gi, lr):
+        v = float(lr)
+        e = self.lr.get(gi)
+        if e is None or e[0] != v:
+            if e is None:
+                t = torch.tensor(v, dtype=torch.float64, requires_grad=self.kind == "sgd")
+            else:
+                t = e[1]
+                with torch.no_grad():
+                    t.fill_(v)
+            self.lr[gi] = (v, t)
+        return self.lr[gi][1]
+
+    def meta(self, t) -> tuple:
+        e = self.metas.get(id(t))
+        if e is None or e[0] is not t:
+            e = self.metas[id(t)] = (t, _meta(t))
+        return e[1]
+
+
+class FusedCall:
+    """One backward call's fused optimizer: the plan's template (:class:`_Template`) made into this
+    call's inputs (the state tensors as the optimizer holds them now, the learning rates as the
+    scheduler left them) and the region kind that traces and calls them (:meth:`region_kind`)."""
+
+    def __init__(self, opt, plan, nodes):
+        self.opt = opt
+        templates = getattr(plan, "fused_templates", None)
+        if templates is None:
+            templates = plan.fused_templates = {}
+        tpl = templates.get(id(opt))
+        if tpl is None or tpl.opt() is not opt:
+            import weakref
+
+            tpl = templates[id(opt)] = _Template(opt, plan, nodes)
+            tpl.opt = weakref.ref(opt)
+        self.tpl = tpl
+        self.kind = tpl.kind
+        for reason, n in tpl.plain:
+            _plain(reason, n)
+        self.by_region: dict = {}  # region index -> Fuse
+        self.params: list = []  # (param, whether it had state before, slot)
+        self.steps: list = []  # (state step tensor, its float64 count)
+        if tpl.items:
+            self.by_region[tpl.region] = self._fuse()
+
+    def _fuse(self) -> Fuse:
+        opt, kind, tpl = self.opt, self.kind, self.tpl
         tensors: list = []
         specs = []
         slots = []
-        writebacks: list = []  # (state tensor, the graph's input holding its new value)
+        params = []
         sig = [kind]
-        for s, p, gi in items:
+        lr_pos: dict = {}  # group index -> position of its learning rate among the tensors
+        meta = tpl.meta
+        for s, p, gi in tpl.items:
             group = opt.param_groups[gi]
             had_state = p in opt.state and len(opt.state[p]) > 0
             # (SGD without momentum keeps no state: its step never touches opt.state)
             state = opt.state[p] if (kind != "sgd" or group["momentum"] != 0) else {}
             if not had_state:
                 _init_state(kind, group, p, state)
-            pos = []
+            pos = [len(tensors)]
+            tensors.append(p)
+            spec = {"pos": pos, "grad_at": None, "lr_at": None, "buf_at": None}
 
             def add(t):
                 pos.append(len(tensors))
                 tensors.append(t)
                 return len(pos) - 1
 
-            add(p)
-            spec = {"pos": pos, "grad_at": None, "lr_at": None, "buf_at": None}
             if kind == "sgd":
-                spec["const"] = {k: group[k] for k in ("weight_decay", "momentum", "dampening", "nesterov", "maximize")}
+                spec["const"] = (group["weight_decay"], group["momentum"], group["dampening"], group["nesterov"],
+                                 group["maximize"])
                 if group["momentum"] != 0 and state.get("momentum_buffer") is not None:
                     spec["buf_at"] = add(state["momentum_buffer"])
-                # a learning rate that requires grad takes the single-tensor path's tensor branch
-                spec["lr_at"] = add(torch.tensor(float(group["lr"]), dtype=torch.float64, requires_grad=True))
             else:
                 b1, b2 = group["betas"]
-                spec["const"] = {"beta1": b1, "beta2": b2, "eps": group["eps"], "weight_decay": group["weight_decay"],
-                                 "amsgrad": group["amsgrad"], "maximize": group["maximize"]}
+                spec["const"] = (b1, b2, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
                 add(state["exp_avg"])
                 add(state["exp_avg_sq"])
                 # the step count in float64: the bias corrections 1 - beta ** step computed in the
                 # optimizer's float32 step tensor lose 1e-5 of 1 - 0.999 (eager's step computes
-                # them as Python floats); written back into the state after the call
-                step64 = state["step"].detach().to(torch.float64)
-                writebacks.append((state["step"], step64))
-                add(step64)
+                # them as Python floats); copied in before the call and back after it
+                step = state["step"]
+                s64 = tpl.step64.get(id(p))
+                if s64 is None:
+                    s64 = tpl.step64[id(p)] = torch.zeros((), dtype=torch.float64)
+                self.steps.append((step, s64))
+                add(s64)
                 if group["amsgrad"]:
                     add(state["max_exp_avg_sq"])
-                lr = group["lr"]
-                lr = lr.detach().reshape(()).to(torch.float64) if isinstance(lr, torch.Tensor) else torch.tensor(
-                    float(lr), dtype=torch.float64)
-                spec["lr_at"] = add(lr)
+            j = lr_pos.get(gi)
+            if j is None:
+                j = lr_pos[gi] = len(tensors)
+                tensors.append(tpl.lr_tensor(gi, group["lr"]))
+            pos.append(j)
+            spec["lr_at"] = len(pos) - 1
             if p.grad is not None:
                 spec["grad_at"] = add(p.grad)
             specs.append(spec)
             slots.append((s, len(specs) - 1))
+            params.append(p)
             self.params.append((p, had_state, s))
-            sig.append((s, tuple(sorted(spec["const"].items())), spec["grad_at"] is not None, spec["buf_at"] is not None,
-                        tuple(_meta(tensors[j]) for j in pos)))
-        f = Fuse(kind, slots, tensors, specs, tuple(sig))
-        f.writebacks = writebacks
-        f.new_state = [(p, "momentum_buffer") for (s, p, gi), spec in zip(items, specs)
-                       if kind == "sgd" and spec["const"]["momentum"] != 0 and spec["buf_at"] is None]
+            sig.append((s, spec["const"], spec["grad_at"] is not None, spec["buf_at"] is not None,
+                        tuple(meta(tensors[j]) for j in pos)))
+        if self.steps:
+            with torch.no_grad():
+                torch._foreach_copy_([b for _, b in self.steps], [a for a, _ in self.steps])
+        f = Fuse(kind, slots, specs, params)
+        f.tensors = tensors
+        f.sig = tuple(sig)
+        f.lr_positions = frozenset(lr_pos.values())
+        f.new_state = [(p, "momentum_buffer") for p, spec in zip(params, specs)
+                       if kind == "sgd" and spec["const"][1] != 0 and spec["buf_at"] is None]
         return f
 
     def region_kind(self, base):
@@ -355,8 +424,12 @@ class FusedCall:
         return _FusedKind(self, base)
 
     def finish(self, updated: set) -> None:
-        """After the call: a fused parameter that was updated lets go of the ``.grad`` its update
-        consumed; state made for one that got no grad is removed (eager's step never makes it)."""
+        """After the call: the step counts back into the state, a fused parameter that was updated
+        lets go of the ``.grad`` its update consumed, and state made for one that got no grad is
+        removed (eager's step never makes it)."""
+        if self.steps:
+            with torch.no_grad():
+                torch._foreach_copy_([a for a, _ in self.steps], [b for _, b in self.steps])
         c = _counters()
         for p, had_state, s in self.params:
             if s in updated:
@@ -388,9 +461,9 @@ def _init_state(kind, group, p, state) -> None:
 
 class _FusedKind:
     """The region kind of a call with a fused optimizer (the executor's lookup, engine._run_region):
-    the base kind for regions without a fused parameter; for the others no specialized gather, a
-    region cache per fused signature, the region traced with its updates, and a call that passes
-    the parameters and state after the region's tensors."""
+    the base kind for regions without a fused parameter; for the others their own specialized
+    gathers and a region cache per fused signature, the region traced with its updates, and a call
+    that passes the parameters and state after the region's tensors."""
 
     counts_hits = True
 
@@ -403,18 +476,32 @@ class _FusedKind:
         return self.fc.by_region.get(region.index)
 
     def fast(self, region, plan, nodes, metas, buf):
-        if self._fuse(region) is not None:
+        f = self._fuse(region)
+        if f is None:
+            return self.base.fast(region, plan, nodes, metas, buf)
+        from . import fastpath
+        from .cache import find
+
+        specs = region.fused_fast.get(f.sig)
+        if not specs:
             return None
-        return self.base.fast(region, plan, nodes, metas, buf)
+        r = fastpath.lookup(region, nodes, metas, buf, specs)
+        if r is None:
+            return None
+        T, I, by_ints, by_meta = r[0], r[1], r[2], r[3]
+        try:
+            compiled = find(by_ints, by_meta, T, I)
+        except TypeError:
+            return None
+        return None if compiled is None else (compiled, T, I)
 
     def cache(self, region, plan, T):
         f = self._fuse(region)
         if f is None:
             return self.base.cache(region, plan, T)
-        caches = region.fused_caches
-        c = caches.get(f.sig)
+        c = region.fused_caches.get(f.sig)
         if c is None:
-            c = caches[f.sig] = RegionCache(f"{region.label} (fused optimizer)")
+            c = region.fused_caches[f.sig] = RegionCache(f"{region.label} (fused optimizer)")
         return c
 
     def compile(self, region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache):
@@ -428,8 +515,19 @@ class _FusedKind:
         return c
 
     def remember(self, region, plan, nodes, metas, buf, S, T, cache, hit: bool) -> None:
-        if self._fuse(region) is None:
+        f = self._fuse(region)
+        if f is None:
             self.base.remember(region, plan, nodes, metas, buf, S, T, cache, hit)
+            return
+        from . import fastpath
+
+        if not hit and region.saved_hooks:
+            return
+        specs = region.fused_fast.setdefault(f.sig, [])
+        keys = region.fused_fast.setdefault(("keys", f.sig), set())
+        fn = fastpath.remember(region, plan, nodes, metas, buf, S, cache=cache, specs=specs, keys=keys)
+        if fn is not None and fn.__vjpgen_native__ is not None:
+            fn.__vjpgen_native__.never_arm()  # (its entries are found here, in a cache of their own)
 
     def call(self, region, plan, compiled, T, I, metas, buf, ctx) -> None:
         f = self._fuse(region)
@@ -443,9 +541,6 @@ class _FusedKind:
         n_kept = sum(1 for p in compiled.present if p)
         for (p, key), t in zip(f.new_state, outs[n_kept:]):
             self.fc.opt.state[p][key] = t
-        with torch.no_grad():
-            for dst, src in f.writebacks:
-                dst.copy_(src)
         self.updated |= compiled.fused_updated
 
 

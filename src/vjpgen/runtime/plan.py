@@ -65,7 +65,7 @@ class NodeInfo:
 class Region:
     __slots__ = (
         "nodes", "in_slots", "out_slots", "out_replace", "out_dest", "cache", "label", "index", "drop_in", "fast",
-        "fast_keys", "saved_hooks", "fused_caches",
+        "fast_keys", "saved_hooks", "fused_caches", "fused_fast",
     )
 
     def __init__(self, index, nodes):
@@ -85,6 +85,7 @@ class Region:
         self.saved_hooks = False
         # the caches of the region with a fused optimizer, per fused signature (fused_optim.py)
         self.fused_caches: dict = {}
+        self.fused_fast: dict = {}  # their specialized gathers (fastpath.py), per fused signature
 
 
 class LiveStep:
