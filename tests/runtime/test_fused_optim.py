@@ -67,6 +67,12 @@ OPTIMIZERS = {
 }
 
 
+def _forward(m, mode):
+    """The model the compiled twin runs: itself (vjpgen's runtime) or compiled with the vjpgen
+    backend (its backward traced into the runtime's region, where the optimizer is fused)."""
+    return m if mode == "runtime" else torch.compile(m, backend="vjpgen", options={"compiler": BK})
+
+
 def _eager_step(m, opt, batch):
     opt.zero_grad(set_to_none=True)
     _loss(m, *batch).backward()
@@ -96,7 +102,7 @@ def test_ten_steps_match_eager(name, mode):
     model = _net()
     m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
     o0, o1 = OPTIMIZERS[name](m0.parameters()), OPTIMIZERS[name](m1.parameters())
-    fwd = m1 if mode == "runtime" else torch.compile(m1, backend="vjpgen", options={"compiler": BK})
+    fwd = _forward(m1, mode)
     for step in range(10):
         batch = _data(step)
         _eager_step(m0, o0, batch)
@@ -122,13 +128,15 @@ def test_float32_matches_eager_at_torchs_tolerance():
     _same(m0, o0, m1, o1, rtol=1.3e-6, atol=1e-5)
 
 
-def test_lr_scheduler_param_groups_and_frozen_params_without_recompiles():
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_lr_scheduler_param_groups_and_frozen_params_without_recompiles(mode):
     """Two param groups with their own learning rate and weight decay, a frozen parameter, a
     scheduler that changes the learning rate every step: one compiled graph for all 10 steps
     (learning rates are tensor inputs), eager's parameters and state."""
     model = _net()
     model.emb.weight.requires_grad_(False)
     m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
+    f1 = _forward(m1, mode)
 
     def make(m):
         o = torch.optim.AdamW([{"params": [*m.fc1.parameters(), *m.fc2.parameters()], "lr": 1e-2},
@@ -141,13 +149,14 @@ def test_lr_scheduler_param_groups_and_frozen_params_without_recompiles():
         _eager_step(m0, o0, batch)
         s0.step()
         with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(m1, *batch).backward()
+            _loss(f1, *batch).backward()
         s1.step()
     _same(m0, o0, m1, o1)
     assert rt.stats()["compiles"] == 1
 
 
-def test_resume_from_state_dict():
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_resume_from_state_dict(mode):
     """5 fused steps, the model and optimizer saved and loaded into fresh ones, 5 more: eager's 10."""
     model = _net()
     m0 = copy.deepcopy(model)
@@ -155,26 +164,30 @@ def test_resume_from_state_dict():
     for step in range(10):
         _eager_step(m0, o0, _data(step))
     m1 = copy.deepcopy(model)
+    f1 = _forward(m1, mode)
     o1 = torch.optim.Adam(m1.parameters(), lr=1e-2)
     for step in range(5):
         with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(m1, *_data(step)).backward()
+            _loss(f1, *_data(step)).backward()
     saved = copy.deepcopy((m1.state_dict(), o1.state_dict()))
     m2 = _net()
     o2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
     m2.load_state_dict(saved[0])
+    f2 = _forward(m2, mode)
     o2.load_state_dict(saved[1])
     for step in range(5, 10):
         with rt.compiled_autograd(BK, optimizer=o2):
-            _loss(m2, *_data(step)).backward()
+            _loss(f2, *_data(step)).backward()
     _same(m0, o0, m2, o2)
 
 
-def test_gradient_accumulation_updates_on_the_last_micro_batch():
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_gradient_accumulation_updates_on_the_last_micro_batch(mode):
     """Micro-batches: the first backwards without ``optimizer`` accumulate ``.grad``; the last,
     with it, adds its grad to the accumulated one inside the fused update."""
     model = _net()
     m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
+    f1 = _forward(m1, mode)
     o0, o1 = torch.optim.SGD(m0.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(m1.parameters(), lr=0.1,
                                                                                      momentum=0.9)
     for step in range(4):
@@ -185,18 +198,20 @@ def test_gradient_accumulation_updates_on_the_last_micro_batch():
         o0.step()
         for b in micro[:-1]:
             with rt.compiled_autograd(BK):
-                _loss(m1, *b).backward()
+                _loss(f1, *b).backward()
         with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(m1, *micro[-1]).backward()
+            _loss(f1, *micro[-1]).backward()
     _same(m0, o0, m1, o1)
     assert rt.stats()["fused_optimizer"]["fused_params"] > 0
 
 
-def test_clip_grad_norm_runs_the_plain_path():
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_clip_grad_norm_runs_the_plain_path(mode):
     """``clip_grad_norm``: the global norm over every grad first, then the step (the plain path,
     counted): eager's ``clip_grad_norm_`` and step."""
     model = _net()
     m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
+    f1 = _forward(m1, mode)
     o0, o1 = torch.optim.Adam(m0.parameters(), lr=1e-2), torch.optim.Adam(m1.parameters(), lr=1e-2)
     for step in range(5):
         b = _data(step)
@@ -205,7 +220,7 @@ def test_clip_grad_norm_runs_the_plain_path():
         torch.nn.utils.clip_grad_norm_(m0.parameters(), 0.05)
         o0.step()
         with rt.compiled_autograd(BK, optimizer=o1, clip_grad_norm=0.05):
-            _loss(m1, *b).backward()
+            _loss(f1, *b).backward()
     _same(m0, o0, m1, o1)
     f = rt.stats()["fused_optimizer"]
     assert f["fused_params"] == 0 and "clip_grad_norm: the global norm needs every grad first" in f["plain_reasons"]
@@ -282,11 +297,13 @@ def test_inductor_step_peaks_below_eager_minus_the_grads():
     assert peaks[True] <= peaks[False] - grads, (peaks, grads)
 
 
-def test_grad_scaler_steps_as_eager_with_a_skipped_step():
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_grad_scaler_steps_as_eager_with_a_skipped_step(mode):
     """AMP's GradScaler (enabled on the CPU): unscale, the inf check (a step whose grads overflow is
     skipped), the scale's update, as eager's ``scaler.step`` / ``update``; the plain path, counted."""
     model = _net()
     m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
+    f1 = _forward(m1, mode)
     o0, o1 = torch.optim.SGD(m0.parameters(), lr=0.1), torch.optim.SGD(m1.parameters(), lr=0.1)
     s0, s1 = (torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) for _ in range(2))
     for step in range(5):
@@ -304,7 +321,7 @@ def test_grad_scaler_steps_as_eager_with_a_skipped_step():
         s0.step(o0)
         s0.update()
         with rt.compiled_autograd(BK, optimizer=o1, clip_grad_norm=1.0, grad_scaler=s1):
-            s1.scale(loss_of(m1)).backward()
+            s1.scale(loss_of(f1)).backward()
         assert s1.get_scale() == s0.get_scale()
     _same(m0, o0, m1, o1)
     assert "a grad scaler: its inf check needs every grad first" in rt.stats()["fused_optimizer"]["plain_reasons"]
