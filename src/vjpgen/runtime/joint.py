@@ -107,8 +107,10 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
     """The grads of ``outputs`` (weighted by ``grad_outputs``) with respect to ``inputs`` (None
     where one does not reach), computed by calling vjpgen's kernels on these (traced) tensors
     through the one executor. With ``create_graph`` the kernels run in grad mode, so their ops are
-    recorded by autograd (the grads are differentiable). Raises :class:`Unsupported` for a graph
-    whose plan runs a node live (no kernel, hooks, a custom Function with side effects)."""
+    recorded by autograd (the grads are differentiable). A node the plan runs live (no kernel, a
+    custom Function, hooks) is called as it is, so its own backward is traced, counted in
+    ``stats()["backend"]["own_backward_nodes"]``. Raises :class:`Unsupported` when the plan sends
+    the whole call to torch.autograd."""
     pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
     if not pairs:
         return [None] * len(inputs)
@@ -202,9 +204,8 @@ def _as_tuple(out):
 def analyze(fn, fakes, fake_mode) -> JointMeta:
     """Run ``fn`` once over functional fakes and read what the joint needs: which outputs get a
     tangent, which inputs it mutates. Raises :class:`Unsupported` for what the backend leaves to
-    AOTAutograd: non-tensor outputs, outputs that alias an input or each other's storage... of an
-    input, metadata mutations, data mutations of inputs that require grad, inputs that alias each
-    other where one is mutated."""
+    AOTAutograd: non-tensor outputs, outputs that share storage with an input, metadata mutations,
+    data mutations of inputs that require grad, a mutated input that shares storage with another."""
     from torch._functorch._aot_autograd.functional_utils import (
         from_fun,
         has_data_mutation,
