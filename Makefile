@@ -60,8 +60,8 @@ tt-venv:
 
 test-torch: tt-venv
 	$(TT_PY) -m tests.release_check $(RELEASE_CHECK_ARGS)
-	$(TT_PY) -m pytest -q -p no:cacheprovider tests/runtime/test_dynamo_backend.py tests/runtime/test_torchscript.py \
-	  tests/distributed/test_backend_distributed.py
+	$(TT_PY) -m pytest -q -p no:cacheprovider tests/runtime/test_dynamo_backend.py tests/runtime/test_fused_optim.py \
+	  tests/runtime/test_torchscript.py tests/distributed/test_backend_distributed.py
 	$(TT_PY) -m examples.demo
 
 # make port-start TORCH=2.16.0: start porting a new release (docs/releases.md): its throwaway venv,
