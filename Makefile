@@ -94,6 +94,7 @@ bench: $(STAMP) bench-deps bench-generate
 	$(PY) bench/bench_backward.py
 	$(PY) bench/bench_models.py
 	$(PY) bench/bench_step.py
+	$(PY) bench/bench_optim.py
 	$(PY) bench/bench_ddp.py
 	$(PY) bench/bench_ca_kernels.py
 	$(PY) bench/bench_higher_order.py
