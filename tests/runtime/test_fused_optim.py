@@ -277,7 +277,7 @@ def test_inductor_step_peaks_below_eager_minus_the_grads():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)], nn.Linear(256, 1))
     x = torch.randn(16, 256)
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
-    peaks = {}
+    peaks, models = {}, {}
     for fused in (False, True):
         m = copy.deepcopy(model)
         o = torch.optim.Adam(m.parameters(), lr=1e-3)
@@ -294,7 +294,58 @@ def test_inductor_step_peaks_below_eager_minus_the_grads():
             o.zero_grad(set_to_none=True)
             backward(m(x).sum())
         peaks[fused] = peak_backward_bytes(lambda: m(x).sum(), backward, before=lambda: o.zero_grad(set_to_none=True))
+        models[fused] = m
     assert peaks[True] <= peaks[False] - grads, (peaks, grads)
+    # the same 3 steps: Inductor's kernels (the step sizes computed once, capture.realize_scalars)
+    # update as eager. Adam moves each element by about lr a step whatever its grad's size, so an
+    # element whose grad is rounding noise (Inductor's backward sums in another order) may land
+    # anywhere within lr: the tolerance is a tenth of one step, where a wrong bias correction or
+    # step size moves every element by more
+    for a, b in zip(models[False].parameters(), models[True].parameters()):
+        torch.testing.assert_close(b, a, rtol=1.3e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_a_retained_graph_sees_the_update_as_eager_does(mode):
+    """The fused update moves the parameters' version counters as the optimizer's in-place step
+    does: a second backward through a retained graph that saved a parameter raises eager's error
+    instead of reading the updated values."""
+    errors = []
+    for fused in (False, True):
+        m = _net()
+        o = torch.optim.Adam(m.parameters(), lr=1e-2)
+        fwd = _forward(m, mode) if fused else m
+        loss = _loss(fwd, *_data(0))
+        if fused:
+            with rt.compiled_autograd(BK, optimizer=o):
+                loss.backward(retain_graph=True)
+            assert rt.stats()["fused_optimizer"]["fused_params"] == len(list(m.parameters()))
+        else:
+            loss.backward(retain_graph=True)
+            o.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as e:
+            loss.backward()
+        errors.append(str(e.value).split(";")[0].split("[")[0])
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_state_replaced_between_steps_is_read(mode):
+    """A state tensor swapped by hand between two steps (or by load_state_dict) is the one the next
+    fused step reads and writes, as eager's step would: the last call's inputs are not reused."""
+    model = _net()
+    m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
+    o0, o1 = torch.optim.Adam(m0.parameters(), lr=1e-2), torch.optim.Adam(m1.parameters(), lr=1e-2)
+    f1 = _forward(m1, mode)
+    for step in range(4):
+        if step == 2:
+            for o, m in ((o0, m0), (o1, m1)):
+                o.state[m.fc1.weight]["exp_avg"] = torch.full_like(m.fc1.weight, 0.5)
+                o.param_groups[0]["betas"] = (0.8, 0.99)
+        _eager_step(m0, o0, _data(step))
+        with rt.compiled_autograd(BK, optimizer=o1):
+            _loss(f1, *_data(step)).backward()
+    _same(m0, o0, m1, o1)
 
 
 @pytest.mark.parametrize("mode", ["runtime", "backend"])

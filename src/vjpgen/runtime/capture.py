@@ -582,6 +582,46 @@ def hoist_reductions(gm: torch.fx.GraphModule) -> int:
     return len(moved)
 
 
+def realize_scalars(gm: torch.fx.GraphModule) -> int:
+    """Append to the graph's outputs each 0-d tensor it computes (not a placeholder, not mutated
+    in place) that a node with dimensions reads; returns how many. The caller drops these extra
+    outputs after the call; the graph's other outputs are unchanged.
+
+    Why: Inductor inlines a pointwise 0-d computation into each loop that reads it, and its C++
+    loops recompute it per vector of elements. An optimizer update traced from torch's
+    single-tensor Adam computes its bias corrections and step size from 0-d step and
+    learning-rate tensors (two ``pow``, a ``sqrt``, divisions in float64): inlined, 2.9 M elements
+    took 4.6 ms, against 1.2 ms with the scalars computed once (a graph output is realized)."""
+    graph = gm.graph
+    out = graph.output_node()
+    outs = out.args[0]
+    if not isinstance(outs, (list, tuple)):
+        return 0
+    have = {id(n) for n in outs if isinstance(n, torch.fx.Node)}
+    mutated = set()
+    for n in graph.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if n.op == "call_function" and schema is not None and schema.is_mutable:
+            for a, arg in zip(schema.arguments, n.args):
+                if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, torch.fx.Node):
+                    mutated.add(arg)
+    extra = []
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if n.op != "call_function" or not isinstance(v, torch.Tensor) or v.ndim != 0 or n in mutated or id(n) in have:
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is None or schema.is_mutable:
+            continue
+        if any(isinstance(u.meta.get("val"), torch.Tensor) and u.meta["val"].ndim > 0 for u in n.users):
+            extra.append(n)
+    if extra:
+        out.args = (type(outs)([*outs, *extra]),)
+        graph.lint()
+        gm.recompile()
+    return len(extra)
+
+
 def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str = "a backward graph",
                   patches: dict | None = None):
     """Compile a traced graph into a *boxed* callable: ``fn(args: list) -> list``; logs one INFO

@@ -80,6 +80,19 @@ def _group_reason(kind: str, group: dict) -> str | None:
     return None
 
 
+def _group_const(kind: str, group: dict) -> tuple:
+    """The group's hyper-parameters a fused update is traced with (constants of its graph; the
+    learning rate is a tensor input instead)."""
+    if kind == "sgd":
+        return (group["weight_decay"], group["momentum"], group["dampening"], group["nesterov"], group["maximize"])
+    b1, b2 = group["betas"]
+    return (b1, b2, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
+
+
+# fused signature -> a small int: the key of a region's fused caches (a signature is a long tuple)
+_SIGS: dict = {}
+
+
 def _has_step_hooks(opt) -> bool:
     from torch.optim import optimizer as _o
 
@@ -113,15 +126,22 @@ class Fuse:
         self.params = params  # per fused sink: the parameter
         self.tensors: list = []
         self.sig = ()
+        self.key = None  # ``sig`` as a small int (hashed once, not per call)
         self.lr_positions: frozenset = frozenset()
+        self.param_positions: tuple = ()  # where the parameters are among ``tensors``
+        self.written: dict = {}  # slot -> the tensors its update writes (the parameter and its state)
+        self.check: tuple = ()  # what :meth:`FusedCall._reuse` compares to reuse this Fuse
         self.updated: set = set()
 
     def tensors_for_call(self) -> list:
-        """The extra inputs as the compiled graph takes them: detached (the graph updates the
-        parameters in place, under no grad mode, as an optimizer's step does), but the learning
-        rates (made here; SGD's requires grad: its single-tensor path's tensor branch)."""
-        lr = self.lr_positions
-        return [t if j in lr else t.detach() for j, t in enumerate(self.tensors)]
+        """The extra inputs as the compiled graph takes them: the parameters detached (the graph
+        updates them in place, under no grad mode, as an optimizer's step does), the state and
+        the learning rates as they are (SGD's rate requires grad: its single-tensor path's tensor
+        branch)."""
+        args = list(self.tensors)
+        for j in self.param_positions:
+            args[j] = args[j].detach()
+        return args
 
     @staticmethod
     def detached(T) -> list:
@@ -263,6 +283,8 @@ class _Template:
         self.plain: list = []  # (reason, number of parameters), counted on every call
         self.items: list = []  # (slot, param, group index)
         self.region = None
+        self.last = None  # the last call's Fuse, reused while it holds (FusedCall._reuse)
+        self.hooked = _has_step_hooks(opt)
         kind = self.kind
         if kind is None:
             self.plain.append((f"{type(opt).__name__}: no fused update for this optimizer class", _n_params(opt)))
@@ -332,7 +354,7 @@ class FusedCall:
         if templates is None:
             templates = plan.fused_templates = {}
         tpl = templates.get(id(opt))
-        if tpl is None or tpl.opt() is not opt:
+        if tpl is None or tpl.opt() is not opt or tpl.hooked != _has_step_hooks(opt):
             import weakref
 
             tpl = templates[id(opt)] = _Template(opt, plan, nodes)
@@ -345,7 +367,42 @@ class FusedCall:
         self.params: list = []  # (param, whether it had state before, slot)
         self.steps: list = []  # (state step tensor, its float64 count)
         if tpl.items:
-            self.by_region[tpl.region] = self._fuse()
+            f = tpl.last if tpl.last is not None and self._reuse(tpl.last) else self._fuse()
+            tpl.last = f
+            self.by_region[tpl.region] = f
+
+    def _reuse(self, f) -> bool:
+        """Whether the last call's Fuse holds for this one: the same state dicts and state tensors,
+        the same group constants, no ``.grad`` on a fused parameter (accumulated micro-batches
+        build it anew), every parameter with its state (``had_state``). Then only the learning
+        rates and the step counts are refreshed (what :meth:`_fuse` would build is the same)."""
+        opt = self.opt
+        state_of, groups, consts, checks = f.check
+        if opt.state is not state_of or len(opt.param_groups) != len(groups):
+            return False
+        for gi, (g, c) in enumerate(zip(groups, consts)):
+            if opt.param_groups[gi] is not g or (c is not None and _group_const(self.kind, g) != c):
+                return False
+        state = opt.state
+        for p, st, held in checks:
+            if p.grad is not None:
+                return False
+            if st is not None:
+                cur = state.get(p)
+                if cur is not st:
+                    return False
+                for k, t in held:
+                    if cur.get(k) is not t:
+                        return False
+        tpl = self.tpl
+        for gi, j in f.lr_of:
+            f.tensors[j] = tpl.lr_tensor(gi, groups[gi]["lr"])
+        self.params = f.reuse_params
+        self.steps = f.reuse_steps
+        if self.steps:
+            with torch.no_grad():
+                torch._foreach_copy_(f.steps64, f.steps_state)
+        return True
 
     def _fuse(self) -> Fuse:
         opt, kind, tpl = self.opt, self.kind, self.tpl
@@ -372,14 +429,11 @@ class FusedCall:
                 tensors.append(t)
                 return len(pos) - 1
 
+            spec["const"] = _group_const(kind, group)
             if kind == "sgd":
-                spec["const"] = (group["weight_decay"], group["momentum"], group["dampening"], group["nesterov"],
-                                 group["maximize"])
                 if group["momentum"] != 0 and state.get("momentum_buffer") is not None:
                     spec["buf_at"] = add(state["momentum_buffer"])
             else:
-                b1, b2 = group["betas"]
-                spec["const"] = (b1, b2, group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"])
                 add(state["exp_avg"])
                 add(state["exp_avg_sq"])
                 # the step count in float64: the bias corrections 1 - beta ** step computed in the
@@ -413,9 +467,30 @@ class FusedCall:
         f = Fuse(kind, slots, specs, params)
         f.tensors = tensors
         f.sig = tuple(sig)
+        f.key = _SIGS.setdefault(f.sig, len(_SIGS))
         f.lr_positions = frozenset(lr_pos.values())
+        f.lr_of = tuple(lr_pos.items())
+        f.param_positions = tuple(spec["pos"][0] for spec in specs)
+        state_pos = {j for spec in specs for k, j in enumerate(spec["pos"])
+                     if k not in (0, spec["lr_at"], spec["grad_at"])}
+        f.written = {s: [tensors[spec["pos"][0]], *(tensors[j] for j in spec["pos"][1:] if j in state_pos)]
+                     for (s, _), spec in zip(slots, specs)}
         f.new_state = [(p, "momentum_buffer") for p, spec in zip(params, specs)
                        if kind == "sgd" and spec["const"][1] != 0 and spec["buf_at"] is None]
+        # what a later call compares to reuse this Fuse (the state as it is after this call's
+        # finish: a parameter that gets no grad loses the state made for it, so it never matches)
+        held_keys = ("exp_avg", "exp_avg_sq", "step", "max_exp_avg_sq") if kind != "sgd" else ("momentum_buffer",)
+        checks = []
+        for p, spec in zip(params, specs):
+            st = opt.state.get(p) if (kind != "sgd" or spec["const"][1] != 0) else None
+            checks.append((p, st, tuple((k, st.get(k)) for k in held_keys if k in st) if st is not None else ()))
+        used = set(lr_pos)
+        f.check = (opt.state, list(opt.param_groups),
+                   [(_group_const(kind, g) if gi in used else None) for gi, g in enumerate(opt.param_groups)], checks)
+        f.reuse_params = [(p, True, s) for p, _, s in self.params]
+        f.reuse_steps = self.steps
+        f.steps64 = [b for _, b in self.steps]
+        f.steps_state = [a for a, _ in self.steps]
         return f
 
     def region_kind(self, base):
@@ -431,10 +506,20 @@ class FusedCall:
             with torch.no_grad():
                 torch._foreach_copy_([a for a, _ in self.steps], [b for _, b in self.steps])
         c = _counters()
+        written = []
+        for f in self.by_region.values():
+            for s in updated:
+                written.extend(f.written.get(s, ()))
+        if written:
+            # (the compiled code writes their memory: their version counters move as the
+            # optimizer's in-place step moves them, so a retained graph that saved a parameter
+            # raises eager's error on a second backward instead of reading the new values)
+            torch.autograd.graph.increment_version(written)
         for p, had_state, s in self.params:
             if s in updated:
                 c["fused_params"] += 1
-                p.grad = None
+                if p.grad is not None:
+                    p.grad = None
             elif not had_state:
                 self.opt.state.pop(p, None)
 
@@ -482,7 +567,7 @@ class _FusedKind:
         from . import fastpath
         from .cache import find
 
-        specs = region.fused_fast.get(f.sig)
+        specs = region.fused_fast.get(f.key)
         if not specs:
             return None
         r = fastpath.lookup(region, nodes, metas, buf, specs)
@@ -499,9 +584,9 @@ class _FusedKind:
         f = self._fuse(region)
         if f is None:
             return self.base.cache(region, plan, T)
-        c = region.fused_caches.get(f.sig)
+        c = region.fused_caches.get(f.key)
         if c is None:
-            c = region.fused_caches[f.sig] = RegionCache(f"{region.label} (fused optimizer)")
+            c = region.fused_caches[f.key] = RegionCache(f"{region.label} (fused optimizer)")
         return c
 
     def compile(self, region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache):
@@ -523,8 +608,8 @@ class _FusedKind:
 
         if not hit and region.saved_hooks:
             return
-        specs = region.fused_fast.setdefault(f.sig, [])
-        keys = region.fused_fast.setdefault(("keys", f.sig), set())
+        specs = region.fused_fast.setdefault(f.key, [])
+        keys = region.fused_fast.setdefault(("keys", f.key), set())
         fn = fastpath.remember(region, plan, nodes, metas, buf, S, cache=cache, specs=specs, keys=keys)
         if fn is not None and fn.__vjpgen_native__ is not None:
             fn.__vjpgen_native__.never_arm()  # (its entries are found here, in a cache of their own)
@@ -535,7 +620,7 @@ class _FusedKind:
             return self.base.call(region, plan, compiled, T, I, metas, buf, ctx)
         from .engine import call_and_scatter
 
-        args = f.detached(compiled.args(T, I))
+        args = compiled.args(T, I)
         args.extend(f.tensors_for_call())
         outs = call_and_scatter(region, plan, compiled, args, metas, buf, ctx)
         n_kept = sum(1 for p in compiled.present if p)
