@@ -330,6 +330,8 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
         fake_args += fakes[len(T):]
         fakes = fakes[:len(T)]
     gm = capture.trace(fn, fake_args)
+    if fuse is not None:
+        fuse.hoist(gm)
     if fuse is not None and backend == "inductor":
         # (the optimizer's bias corrections and step sizes computed once, not per vector of
         # elements: extra outputs after the new state, which the fused call drops)
