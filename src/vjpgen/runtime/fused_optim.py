@@ -357,8 +357,12 @@ def _update(kind, spec, t, grad) -> list:
             return [bufs[0]]
         return []
     beta1, beta2, eps, weight_decay, amsgrad, maximize = spec["const"]
-    exp_avg, exp_avg_sq, step = t[1], t[2], t[3]
+    exp_avg, exp_avg_sq, step_t = t[1], t[2], t[3]
     max_sq = [t[4]] if amsgrad else []
+    # the step count in float64: the bias corrections 1 - beta ** step computed in the
+    # optimizer's float32 step tensor lose 1e-5 of 1 - 0.999 (eager's step computes them from the
+    # count as a Python float); counted in a float64 copy, written back to the state's tensor
+    step = step_t.to(torch.float64)
     # differentiable=True: the path that keeps the step count and the learning rate tensors (the
     # capturable path asserts a CUDA device); the arithmetic is the capturable path's
     _adam._single_tensor_adam(
@@ -367,6 +371,8 @@ def _update(kind, spec, t, grad) -> list:
         eps=eps, maximize=maximize, capturable=False, differentiable=True,
         decoupled_weight_decay=kind == "adamw",
     )
+    if step is not step_t:
+        step_t.copy_(step)
     return []
 
 
@@ -421,7 +427,6 @@ class _Template:
             self.items.append((s, var, gi))
         self.region = plan.steps[0].index if self.items else None
         self.lr: dict = {}  # group index -> (its rate as last filled, the tensor)
-        self.step64: dict = {}  # id(param) -> its float64 step count
         self.metas: dict = {}  # id(tensor) -> (tensor, _meta)
 
     def lr_tensor(self, gi, lr):
@@ -466,7 +471,7 @@ class FusedCall:
             _plain(reason, n)
         self.by_region: dict = {}  # region index -> Fuse
         self.params: list = []  # (param, whether it had state before, slot)
-        self.steps: list = []  # (state step tensor, its float64 count)
+        self.reused = False  # this call's Fuse is the last call's (FusedCall._reuse)
         if tpl.items:
             f = tpl.last if tpl.last is not None and self._reuse(tpl.last) else self._fuse()
             tpl.last = f
@@ -499,10 +504,7 @@ class FusedCall:
         for gi, j in f.lr_of:
             f.tensors[j] = tpl.lr_tensor(gi, groups[gi]["lr"])
         self.params = f.reuse_params
-        self.steps = f.reuse_steps
-        if self.steps:
-            with torch.no_grad():
-                torch._foreach_copy_(f.steps64, f.steps_state)
+        self.reused = True
         return True
 
     def _fuse(self) -> Fuse:
@@ -537,15 +539,7 @@ class FusedCall:
             else:
                 add(state["exp_avg"])
                 add(state["exp_avg_sq"])
-                # the step count in float64: the bias corrections 1 - beta ** step computed in the
-                # optimizer's float32 step tensor lose 1e-5 of 1 - 0.999 (eager's step computes
-                # them as Python floats); copied in before the call and back after it
-                step = state["step"]
-                s64 = tpl.step64.get(id(p))
-                if s64 is None:
-                    s64 = tpl.step64[id(p)] = torch.zeros((), dtype=torch.float64)
-                self.steps.append((step, s64))
-                add(s64)
+                add(state["step"])  # (counted in float64 inside the graph: _update)
                 if group["amsgrad"]:
                     add(state["max_exp_avg_sq"])
             j = lr_pos.get(gi)
@@ -562,9 +556,6 @@ class FusedCall:
             self.params.append((p, had_state, s))
             sig.append((s, spec["const"], spec["grad_at"] is not None, spec["buf_at"] is not None,
                         tuple(meta(tensors[j]) for j in pos)))
-        if self.steps:
-            with torch.no_grad():
-                torch._foreach_copy_([b for _, b in self.steps], [a for a, _ in self.steps])
         f = Fuse(kind, slots, specs, params)
         f.tensors = tensors
         f.sig = tuple(sig)
@@ -572,10 +563,7 @@ class FusedCall:
         f.lr_positions = frozenset(lr_pos.values())
         f.lr_of = tuple(lr_pos.items())
         f.param_positions = tuple(spec["pos"][0] for spec in specs)
-        state_pos = {j for spec in specs for k, j in enumerate(spec["pos"])
-                     if k not in (0, spec["lr_at"], spec["grad_at"])}
-        f.written = {s: [tensors[spec["pos"][0]], *(tensors[j] for j in spec["pos"][1:] if j in state_pos)]
-                     for (s, _), spec in zip(slots, specs)}
+        f.param_of = {s: p for (s, _), p in zip(slots, params)}
         f.new_state = [(p, "momentum_buffer") for p, spec in zip(params, specs)
                        if kind == "sgd" and spec["const"][1] != 0 and spec["buf_at"] is None]
         # what a later call compares to reuse this Fuse (the state as it is after this call's
@@ -589,9 +577,6 @@ class FusedCall:
         f.check = (opt.state, list(opt.param_groups),
                    [(_group_const(kind, g) if gi in used else None) for gi, g in enumerate(opt.param_groups)], checks)
         f.reuse_params = [(p, True, s) for p, _, s in self.params]
-        f.reuse_steps = self.steps
-        f.steps64 = [b for _, b in self.steps]
-        f.steps_state = [a for a, _ in self.steps]
         return f
 
     def region_kind(self, base):
@@ -600,25 +585,21 @@ class FusedCall:
         return _FusedKind(self, base)
 
     def finish(self, updated: set) -> None:
-        """After the call: the step counts back into the state, a fused parameter that was updated
-        lets go of the ``.grad`` its update consumed, and state made for one that got no grad is
-        removed (eager's step never makes it)."""
-        if self.steps:
-            with torch.no_grad():
-                torch._foreach_copy_([a for a, _ in self.steps], [b for _, b in self.steps])
-        c = _counters()
-        written = []
-        for f in self.by_region.values():
-            for s in updated:
-                written.extend(f.written.get(s, ()))
-        if written:
+        """After the call: the updated parameters' version counters moved, a fused parameter that
+        was updated lets go of the ``.grad`` its update consumed, and state made for one that got
+        no grad is removed (eager's step never makes it). A reused call (no ``.grad``, every state
+        there before) has only the first to do."""
+        if updated:
             # (the compiled code writes their memory: their version counters move as the
             # optimizer's in-place step moves them, so a retained graph that saved a parameter
             # raises eager's error on a second backward instead of reading the new values)
-            torch.autograd.graph.increment_version(written)
+            params = [p for f in self.by_region.values() for s, p in f.param_of.items() if s in updated]
+            torch.autograd.graph.increment_version(params)
+            _counters()["fused_params"] += len(params)
+        if self.reused:
+            return
         for p, had_state, s in self.params:
             if s in updated:
-                c["fused_params"] += 1
                 if p.grad is not None:
                     p.grad = None
             elif not had_state:
@@ -735,7 +716,8 @@ def step(opt, clip_grad_norm, grad_scaler=None) -> None:
     what was not fused: with a grad scaler ``unscale_`` first; ``clip_grad_norm_`` over every
     parameter's grad when asked; the optimizer's ``step()`` (it skips the fused parameters, whose
     ``.grad`` is None, and runs its hooks), through the scaler when there is one (skipped on inf or
-    NaN, then ``update()``); ``zero_grad(set_to_none=True)``."""
+    NaN, then ``update()``); ``zero_grad(set_to_none=True)``. With every grad fused, the step and
+    the zeroing that would do nothing are skipped."""
     n = sum(1 for g in opt.param_groups for p in g["params"] if p.grad is not None)
     if grad_scaler is not None:
         _plain("a grad scaler: its inf check needs every grad first", n)
@@ -748,6 +730,10 @@ def step(opt, clip_grad_norm, grad_scaler=None) -> None:
     if grad_scaler is not None:
         grad_scaler.step(opt)
         grad_scaler.update()
-    else:
+    elif n or _has_step_hooks(opt) or "step" in vars(opt):
+        # (every grad consumed by the fused updates, no hooks and the class's own step: that step
+        # would skip every parameter and change nothing. A step wrapped on the instance, as an LR
+        # scheduler wraps it to record that it ran, is called.)
         opt.step()
-    opt.zero_grad(set_to_none=True)
+    if n or _has_step_hooks(opt):  # (every grad consumed by the fused updates: nothing to set to None)
+        opt.zero_grad(set_to_none=True)
