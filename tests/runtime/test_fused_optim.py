@@ -272,9 +272,11 @@ def test_bad_arguments_are_one_clear_error():
             pass
 
 
-def test_inductor_step_peaks_below_eager_minus_the_grads():
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_inductor_step_peaks_below_eager_minus_the_grads(mode):
     """Under Inductor each grad dies inside the kernels that update its parameter: the peak of the
-    backward and step stays below eager's peak minus the grads' size."""
+    backward and step stays below eager's peak minus the grads' size. In the backend's one
+    backward node too, where the updates are moved up to where each grad is complete."""
     from tools.memory import peak_backward_bytes
 
     torch.manual_seed(0)
@@ -285,6 +287,7 @@ def test_inductor_step_peaks_below_eager_minus_the_grads():
     for fused in (False, True):
         m = copy.deepcopy(model)
         o = torch.optim.Adam(m.parameters(), lr=1e-3)
+        fwd = torch.compile(m, backend="vjpgen") if fused and mode == "backend" else m
 
         def backward(loss, o=o, fused=fused):
             if fused:
@@ -296,17 +299,19 @@ def test_inductor_step_peaks_below_eager_minus_the_grads():
 
         for _ in range(2):  # the state exists, the graph is compiled
             o.zero_grad(set_to_none=True)
-            backward(m(x).sum())
-        peaks[fused] = peak_backward_bytes(lambda: m(x).sum(), backward, before=lambda: o.zero_grad(set_to_none=True))
+            backward(fwd(x).sum())
+        peaks[fused] = peak_backward_bytes(lambda: fwd(x).sum(), backward,
+                                           before=lambda: o.zero_grad(set_to_none=True))
         models[fused] = m
     assert peaks[True] <= peaks[False] - grads, (peaks, grads)
     # the same 3 steps: Inductor's kernels (the step sizes computed once, capture.realize_scalars)
     # update as eager. Adam moves each element by about lr a step whatever its grad's size, so an
-    # element whose grad is rounding noise (Inductor's backward sums in another order) may land
-    # anywhere within lr: the tolerance is a tenth of one step, where a wrong bias correction or
-    # step size moves every element by more
+    # element whose grad is rounding noise (Inductor's kernels sum in another order) may land
+    # anywhere within the 3 steps' 3 lr: all but one element in a thousand within float32's
+    # tolerance, none beyond 3 lr (a wrong bias correction or step size moves every element)
     for a, b in zip(models[False].parameters(), models[True].parameters()):
-        torch.testing.assert_close(b, a, rtol=1.3e-6, atol=1e-4)
+        off = ~torch.isclose(b, a, rtol=1.3e-6, atol=1e-5)
+        assert off.float().mean() <= 1e-3 and (b - a).abs().max() <= 3e-3, (off.sum(), (b - a).abs().max())
 
 
 @pytest.mark.parametrize("mode", ["runtime", "backend"])
