@@ -233,32 +233,24 @@ def test_clip_grad_norm_runs_the_plain_path(mode):
 def test_what_is_not_fused_gets_eagers_update_with_a_reason():
     """A parameter with a hook (its AccumulateGrad runs live, as DDP's reducer's), an optimizer
     without a fused update: the plain path, counted with the reason, eager's result."""
-    model = _net()
-    m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
-    for m in (m0, m1):
-        m.fc1.weight.register_hook(lambda g: g * 0.5)
-    o0, o1 = torch.optim.RMSprop(m0.parameters(), lr=1e-2), torch.optim.RMSprop(m1.parameters(), lr=1e-2)
-    for step in range(3):
-        b = _data(step)
-        _eager_step(m0, o0, b)
-        with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(m1, *b).backward()
-    _same(m0, o0, m1, o1)
-    reasons = rt.stats()["fused_optimizer"]["plain_reasons"]
+    def three_steps_with_a_hook(opt_class):
+        rt.reset_stats()
+        model = _net()
+        m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
+        for m in (m0, m1):
+            m.fc1.weight.register_hook(lambda g: g * 0.5)
+        o0, o1 = opt_class(m0.parameters(), lr=1e-2), opt_class(m1.parameters(), lr=1e-2)
+        for step in range(3):
+            b = _data(step)
+            _eager_step(m0, o0, b)
+            with rt.compiled_autograd(BK, optimizer=o1):
+                _loss(m1, *b).backward()
+        _same(m0, o0, m1, o1)
+        return rt.stats()["fused_optimizer"]["plain_reasons"]
+
+    reasons = three_steps_with_a_hook(torch.optim.RMSprop)
     assert "RMSprop: no fused update for this optimizer class" in reasons, reasons
-    model = _net()
-    m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
-    for m in (m0, m1):
-        m.fc1.weight.register_hook(lambda g: g * 0.5)
-    o0, o1 = torch.optim.Adam(m0.parameters(), lr=1e-2), torch.optim.Adam(m1.parameters(), lr=1e-2)
-    rt.reset_stats()
-    for step in range(3):
-        b = _data(step)
-        _eager_step(m0, o0, b)
-        with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(m1, *b).backward()
-    _same(m0, o0, m1, o1)
-    reasons = rt.stats()["fused_optimizer"]["plain_reasons"]
+    reasons = three_steps_with_a_hook(torch.optim.Adam)
     assert reasons == {"the backward has more than one compiled region or a live node": 3 * 6,
                        "a hook on the parameter: its AccumulateGrad runs live": 3}, reasons
 
