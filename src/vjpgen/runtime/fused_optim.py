@@ -145,7 +145,7 @@ class Fuse:
 
     @staticmethod
     def detached(T) -> list:
-        return [t.detach() if isinstance(t, torch.Tensor) else t for t in T]
+        return [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in T]
 
     def region_fn(self, region, plan, S, T, I, dyn_ints, present: list):
         """The region's function followed by the fused updates: ``fn(*T, *dyn, *extras)`` returns
@@ -702,7 +702,9 @@ class _FusedKind:
             return self.base.call(region, plan, compiled, T, I, metas, buf, ctx)
         from .engine import call_and_scatter
 
-        args = compiled.args(T, I)
+        # (detached as traced: AOTAutograd's runtime check of aliased inputs (a saved tensor that is
+        # a fused parameter or a view of it) raises on torch 2.12 when one of them requires grad)
+        args = f.detached(compiled.args(T, I))
         args.extend(f.tensors_for_call())
         outs = call_and_scatter(region, plan, compiled, args, metas, buf, ctx)
         n_kept = sum(1 for p in compiled.present if p)
