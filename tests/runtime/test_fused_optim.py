@@ -116,16 +116,18 @@ def test_ten_steps_match_eager(name, mode):
     assert rt.stats()["compiles"] == (2 if "momentum" in name else 1)
 
 
-def test_float32_matches_eager_at_torchs_tolerance():
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_float32_matches_eager_at_torchs_tolerance(mode):
     model = _net(torch.float32)
     m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
     o0, o1 = torch.optim.SGD(m0.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(m1.parameters(), lr=0.1,
                                                                                      momentum=0.9)
+    f1 = _forward(m1, mode)
     for step in range(10):
         batch = _data(step)
         _eager_step(m0, o0, batch)
         with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(m1, *batch).backward()
+            _loss(f1, *batch).backward()
     _same(m0, o0, m1, o1, rtol=1.3e-6, atol=1e-5)
 
 
@@ -230,7 +232,8 @@ def test_clip_grad_norm_runs_the_plain_path(mode):
     assert f["fused_params"] == 0 and "clip_grad_norm: the global norm needs every grad first" in f["plain_reasons"]
 
 
-def test_what_is_not_fused_gets_eagers_update_with_a_reason():
+@pytest.mark.parametrize("mode", ["runtime", "backend"])
+def test_what_is_not_fused_gets_eagers_update_with_a_reason(mode):
     """A parameter with a hook (its AccumulateGrad runs live, as DDP's reducer's), an optimizer
     without a fused update: the plain path, counted with the reason, eager's result."""
     def three_steps_with_a_hook(opt_class):
@@ -240,11 +243,12 @@ def test_what_is_not_fused_gets_eagers_update_with_a_reason():
         for m in (m0, m1):
             m.fc1.weight.register_hook(lambda g: g * 0.5)
         o0, o1 = opt_class(m0.parameters(), lr=1e-2), opt_class(m1.parameters(), lr=1e-2)
+        f1 = _forward(m1, mode)
         for step in range(3):
             b = _data(step)
             _eager_step(m0, o0, b)
             with rt.compiled_autograd(BK, optimizer=o1):
-                _loss(m1, *b).backward()
+                _loss(f1, *b).backward()
         _same(m0, o0, m1, o1)
         return rt.stats()["fused_optimizer"]["plain_reasons"]
 
