@@ -129,9 +129,14 @@ class Fuse:
         self.key = None  # ``sig`` as a small int (hashed once, not per call)
         self.lr_positions: frozenset = frozenset()
         self.param_positions: tuple = ()  # where the parameters are among ``tensors``
-        self.written: dict = {}  # slot -> the tensors its update writes (the parameter and its state)
+        self.param_of: dict = {}  # slot -> its parameter (whose version counter the update moves)
         self.check: tuple = ()  # what :meth:`FusedCall._reuse` compares to reuse this Fuse
         self.updated: set = set()
+        # (at trace time, for :meth:`hoist`) slot -> the names of its update's nodes, the
+        # placeholder index of its parameter, those of the region's inputs sharing its storage
+        self.blocks: dict = {}
+        self.param_inputs: dict = {}
+        self.alias_inputs: dict = {}
 
     def tensors_for_call(self) -> list:
         """The extra inputs as the compiled graph takes them: the parameters detached (the graph
@@ -215,7 +220,6 @@ class Fuse:
 
         return fused_fn
 
-
     def hoist(self, gm: torch.fx.GraphModule) -> int:
         """Move each traced update up to just after the later of what it reads (its grad's
         producer, its inputs) and the last node that reads its parameter (the parameter's input,
@@ -277,7 +281,10 @@ class Fuse:
             if any(pos[r] > start for r in readers):
                 continue  # read after the update: leave it where it is
             deps = [a for n in block for a in n.all_input_nodes if a not in inside]
-            anchor = max((*readers, *deps), key=pos.__getitem__, default=None)
+            # (and after every node before the update sharing storage with what it reads: an
+            # in-place op on its grad after the grad's producer stays before the update)
+            shared = [m for d in deps for m in members.get(storage(d), ()) if m not in inside and pos[m] < start]
+            anchor = max((*readers, *deps, *shared), key=pos.__getitem__, default=None)
             if anchor is None or anchor.op == "placeholder":
                 anchor = last_placeholder
             if anchor is None or pos[anchor] >= start - 1:
@@ -481,7 +488,7 @@ class FusedCall:
         """Whether the last call's Fuse holds for this one: the same state dicts and state tensors,
         the same group constants, no ``.grad`` on a fused parameter (accumulated micro-batches
         build it anew), every parameter with its state (``had_state``). Then only the learning
-        rates and the step counts are refreshed (what :meth:`_fuse` would build is the same)."""
+        rates are refreshed (what :meth:`_fuse` would build is the same)."""
         opt = self.opt
         state_of, groups, consts, checks = f.check
         if opt.state is not state_of or len(opt.param_groups) != len(groups):
@@ -703,8 +710,11 @@ class _FusedKind:
         from .engine import call_and_scatter
 
         # (detached as traced: AOTAutograd's runtime check of aliased inputs (a saved tensor that is
-        # a fused parameter or a view of it) raises on torch 2.12 when one of them requires grad)
-        args = f.detached(compiled.args(T, I))
+        # a fused parameter or a view of it) raises on torch 2.12 when one of them requires grad.
+        # In place: ``args`` is the list whose emptying by the callee frees each tensor after its
+        # last use; a new list would leave the originals held for the whole call)
+        args = compiled.args(T, I)
+        args[:] = Fuse.detached(args)
         args.extend(f.tensors_for_call())
         outs = call_and_scatter(region, plan, compiled, args, metas, buf, ctx)
         n_kept = sum(1 for p in compiled.present if p)
