@@ -523,6 +523,14 @@ class FusedCall:
         sig = [kind]
         lr_pos: dict = {}  # group index -> position of its learning rate among the tensors
         meta = tpl.meta
+        # the state dicts made in the param groups' order, as eager's step makes them (the items
+        # come in the backward's order; opt.state's order is state_dict()["state"]'s)
+        fused_ids = {id(p) for _, p, _ in tpl.items}
+        for group in opt.param_groups:
+            if kind != "sgd" or group["momentum"] != 0:
+                for p in group["params"]:
+                    if id(p) in fused_ids and p not in opt.state:
+                        opt.state.setdefault(p, {})
         for s, p, gi in tpl.items:
             group = opt.param_groups[gi]
             had_state = p in opt.state and len(opt.state[p]) > 0
