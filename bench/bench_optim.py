@@ -75,7 +75,7 @@ import bench_step as bs  # noqa: E402  (bench_backward's Inductor cache and comp
 import torch  # noqa: E402
 
 import vjpgen.runtime as rt  # noqa: E402
-from tools.memory import peak_backward_bytes  # noqa: E402
+from tools.memory import memory_events, peak_backward_bytes  # noqa: E402
 
 bb, bm = bs.bb, bs.bm
 RESULTS = Path(__file__).resolve().parent / "results" / "optim.md"
@@ -181,8 +181,7 @@ def memory_phases(m) -> dict:
         torch.empty(_MARKS[3])
     bounds = {4 * n: i for i, n in enumerate(_MARKS)}
     level, phase, base, out = 0, None, 0, {}
-    for _, nb in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]"):
+    for _, nb in memory_events(prof):
         if abs(nb) in bounds:
             if nb > 0:
                 i = bounds[nb]

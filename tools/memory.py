@@ -43,9 +43,7 @@ def peak_backward_bytes(forward, backward, device: str = "cpu", ctx=None, before
             mark = torch.empty(_MARK_BYTES // 4, dtype=torch.float32)
             backward(loss)
             del mark
-    evs = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
+    evs = memory_events(prof)
     level = 0
     base = None
     peak = 0
@@ -61,3 +59,9 @@ def peak_backward_bytes(forward, backward, device: str = "cpu", ctx=None, before
     if base is None:
         return float("nan")
     return peak - base
+
+
+def memory_events(prof) -> list:
+    """The allocations (+bytes) and frees (-bytes) a ``torch.profiler.profile(profile_memory=True)``
+    recorded, in time order: ``[(start_ns, nbytes), ...]``."""
+    return sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")

@@ -80,6 +80,19 @@ def _eager_step(m, opt, batch):
     opt.step()
 
 
+def _fused_step(fwd, opt, batch):
+    with rt.compiled_autograd(BK, optimizer=opt):
+        _loss(fwd, *batch).backward()
+
+
+def _both_steps(m0, o0, fwd, o1, step):
+    """Step ``step``'s batch: eager's step of ``m0``, then the fused step of ``fwd`` (``m1`` or its
+    compiled twin)."""
+    batch = _data(step)
+    _eager_step(m0, o0, batch)
+    _fused_step(fwd, o1, batch)
+
+
 def _same(m0, o0, m1, o1, **tol):
     tol = tol or TOL
     for (n, a), b in zip(m0.named_parameters(), m1.parameters()):
@@ -105,10 +118,7 @@ def test_ten_steps_match_eager(name, mode):
     o0, o1 = OPTIMIZERS[name](m0.parameters()), OPTIMIZERS[name](m1.parameters())
     fwd = _forward(m1, mode)
     for step in range(10):
-        batch = _data(step)
-        _eager_step(m0, o0, batch)
-        with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(fwd, *batch).backward()
+        _both_steps(m0, o0, fwd, o1, step)
     _same(m0, o0, m1, o1)
     f = rt.stats()["fused_optimizer"]
     assert f["fused_params"] == 10 * len(list(m1.parameters())) and f["plain_params"] == 0, f
@@ -124,10 +134,7 @@ def test_float32_matches_eager_at_torchs_tolerance(mode):
                                                                                      momentum=0.9)
     f1 = _forward(m1, mode)
     for step in range(10):
-        batch = _data(step)
-        _eager_step(m0, o0, batch)
-        with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(f1, *batch).backward()
+        _both_steps(m0, o0, f1, o1, step)
     _same(m0, o0, m1, o1, rtol=1.3e-6, atol=1e-5)
 
 
@@ -151,11 +158,8 @@ def test_lr_scheduler_param_groups_and_frozen_params_without_recompiles(mode):
         # (the scheduler warns when its step comes before the optimizer's: the block's step counts)
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
         for step in range(10):
-            batch = _data(step)
-            _eager_step(m0, o0, batch)
+            _both_steps(m0, o0, f1, o1, step)
             s0.step()
-            with rt.compiled_autograd(BK, optimizer=o1):
-                _loss(f1, *batch).backward()
             s1.step()
     _same(m0, o0, m1, o1)
     assert rt.stats()["compiles"] == 1
@@ -173,8 +177,7 @@ def test_resume_from_state_dict(mode):
     f1 = _forward(m1, mode)
     o1 = torch.optim.Adam(m1.parameters(), lr=1e-2)
     for step in range(5):
-        with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(f1, *_data(step)).backward()
+        _fused_step(f1, o1, _data(step))
     saved = copy.deepcopy((m1.state_dict(), o1.state_dict()))
     m2 = _net()
     o2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
@@ -182,8 +185,7 @@ def test_resume_from_state_dict(mode):
     f2 = _forward(m2, mode)
     o2.load_state_dict(saved[1])
     for step in range(5, 10):
-        with rt.compiled_autograd(BK, optimizer=o2):
-            _loss(f2, *_data(step)).backward()
+        _fused_step(f2, o2, _data(step))
     _same(m0, o0, m2, o2)
 
 
@@ -245,10 +247,7 @@ def test_what_is_not_fused_gets_eagers_update_with_a_reason(mode):
         o0, o1 = opt_class(m0.parameters(), lr=1e-2), opt_class(m1.parameters(), lr=1e-2)
         f1 = _forward(m1, mode)
         for step in range(3):
-            b = _data(step)
-            _eager_step(m0, o0, b)
-            with rt.compiled_autograd(BK, optimizer=o1):
-                _loss(f1, *b).backward()
+            _both_steps(m0, o0, f1, o1, step)
         _same(m0, o0, m1, o1)
         return rt.stats()["fused_optimizer"]["plain_reasons"]
 
@@ -347,9 +346,7 @@ def test_state_replaced_between_steps_is_read(mode):
             for o, m in ((o0, m0), (o1, m1)):
                 o.state[m.fc1.weight]["exp_avg"] = torch.full_like(m.fc1.weight, 0.5)
                 o.param_groups[0]["betas"] = (0.8, 0.99)
-        _eager_step(m0, o0, _data(step))
-        with rt.compiled_autograd(BK, optimizer=o1):
-            _loss(f1, *_data(step)).backward()
+        _both_steps(m0, o0, f1, o1, step)
     _same(m0, o0, m1, o1)
 
 

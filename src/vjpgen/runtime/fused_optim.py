@@ -127,7 +127,6 @@ class Fuse:
         self.tensors: list = []
         self.sig = ()
         self.key = None  # ``sig`` as a small int (hashed once, not per call)
-        self.lr_positions: frozenset = frozenset()
         self.param_positions: tuple = ()  # where the parameters are among ``tensors``
         self.param_of: dict = {}  # slot -> its parameter (whose version counter the update moves)
         self.check: tuple = ()  # what :meth:`FusedCall._reuse` compares to reuse this Fuse
@@ -166,7 +165,6 @@ class Fuse:
         specs = self.specs
         fused = dict(self.slots)  # slot -> spec index
         params = {s: self.params[k] for s, k in self.slots}
-        where = _emission_points(region, plan, S, T, I, params)
         updated = self.updated = set()  # (at trace time) the fused slots whose parameter is updated
         n_args = len(T) + len(dyn_ints)
         nT = len(T)
@@ -177,6 +175,7 @@ class Fuse:
         self.alias_inputs = {s: {k for k, t in enumerate(T) if isinstance(t, torch.Tensor)
                                  and t.layout == torch.strided and t.untyped_storage().data_ptr() == ptr}
                              for s, ptr in ((s, p.untyped_storage().data_ptr()) for s, p in params.items())}
+        where = _emission_points(region, plan, S, T, I, self.alias_inputs)
 
         def update(s, grad):
             spec = specs[fused[s]]
@@ -319,28 +318,23 @@ def _tensors_in(v, out: list) -> list:
     return out
 
 
-def _emission_points(region, plan, S, T, I, params: dict) -> dict:
+def _emission_points(region, plan, S, T, I, aliases: dict) -> dict:
     """Node index -> the fused slots whose update follows that node: after the later of the last
     node producing the slot's grad and the last node reading a saved tensor that shares storage
-    with its parameter."""
+    with its parameter (``aliases``: slot -> the positions in ``T`` of those tensors)."""
     from .engine import region_state
 
-    storage = {s: p.untyped_storage().data_ptr() for s, p in params.items()}
     at = {t_id: k for k, t_id in enumerate(id(t) for t in T)}
-    aliases = {}
-    for s, ptr in storage.items():
-        aliases[s] = {k for k, t in enumerate(T) if isinstance(t, torch.Tensor) and t.layout == torch.strided
-                      and t.untyped_storage().data_ptr() == ptr}
     last: dict = {}
     state = region_state(region, plan, S, T, list(I))
     next(state)
     for i, _, saved, _ in state:
         reads = {at[id(t)] for t in _tensors_in(saved, []) if id(t) in at}
-        for s in params:
-            if aliases[s] & reads:
+        for s, ks in aliases.items():
+            if ks & reads:
                 last[s] = i
         for (_, s, _, _) in plan.infos[i].out:
-            if s in params:
+            if s in aliases:
                 last[s] = i
     where: dict = {}
     for s, i in last.items():
@@ -575,7 +569,6 @@ class FusedCall:
         f.tensors = tensors
         f.sig = tuple(sig)
         f.key = _SIGS.setdefault(f.sig, len(_SIGS))
-        f.lr_positions = frozenset(lr_pos.values())
         f.lr_of = tuple(lr_pos.items())
         f.param_positions = tuple(spec["pos"][0] for spec in specs)
         f.param_of = {s: p for (s, _), p in zip(slots, params)}
