@@ -90,6 +90,8 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
     except joint.Unsupported as e:
         record_fallback(str(e))
         return _inner_backend(opts)(gm, example_inputs)
+    except torch._dynamo.exc.RestartAnalysis:  # dynamo's own control flow (it traces the frame again)
+        raise
     except Exception as e:  # a graph vjpgen fails on still compiles as torch.compile would compile it
         reason = f"{type(e).__name__} while building the joint: {str(e).splitlines()[0][:200] if str(e) else ''}"
         log.warning("vjpgen backend: %s; this graph goes to torch's AOTAutograd (please report it)", reason)
@@ -158,6 +160,66 @@ def _fakeify(example_inputs):
         else:
             out.append(x)
     return out, fake_mode
+
+
+# ------------------------------------------------------------------------------------------
+# dynamo's rewrite of Tensor.backward() (trace_autograd_ops)
+
+
+def _compiles_with_vjpgen(compiler_fn) -> bool:
+    """Whether dynamo's backend for this trace is vjpgen's (through dynamo's wrappers)."""
+    for _ in range(8):
+        if compiler_fn is None:
+            return False
+        if getattr(compiler_fn, "__name__", None) == "vjpgen_backend" and compiler_fn.__module__ == __name__:
+            return True
+        compiler_fn = (getattr(compiler_fn, "_torchdynamo_orig_backend", None)
+                       or getattr(compiler_fn, "compiler_fn", None)
+                       or getattr(compiler_fn, "func", None)
+                       or getattr(compiler_fn, "__wrapped__", None))
+    return False
+
+
+def _guard_backward_rewrite() -> None:
+    """With ``trace_autograd_ops`` dynamo rewrites ``loss.backward()`` into ``torch.autograd.grad``
+    over the leaves *its frame has seen*, and into nothing at all when it has seen none (a frame
+    resumed after a graph break, whose only input is the loss: eager would still accumulate into
+    every leaf the loss's history reaches; torch 2.11-2.15 silently skip it). For graphs compiled by
+    vjpgen, that case is a graph break instead: the backward runs as eager runs it (through
+    vjpgen's backward of the graphs before it). Installed once, when the backend is loaded."""
+    try:
+        from torch._dynamo.variables.tensor import TensorVariable
+        from torch._dynamo.exc import unimplemented
+    except ImportError:  # another layout of dynamo: nothing to guard
+        return
+    orig = TensorVariable.method_backward
+    if getattr(orig, "_vjpgen_guard", False):
+        return
+
+    def method_backward(self, tx, gradient=None, retain_graph=None, create_graph=None, inputs=None):
+        from torch._dynamo import config
+
+        if (config.trace_autograd_ops and inputs is None and self.has_grad_fn
+                and _compiles_with_vjpgen(getattr(tx.output, "compiler_fn", None))):
+            from itertools import chain
+
+            seen = chain(tx.output.leaf_var_creation_order, tx.output.input_source_to_var.values())
+            if not self._collect_backward_inputs(seen):
+                unimplemented(
+                    gb_type="Tensor.backward() whose leaves this frame has not seen (vjpgen)",
+                    context=f"call_method {self} backward",
+                    explanation=("dynamo's trace_autograd_ops rewrite of this backward() would accumulate into "
+                                 "no leaf (the loss's history comes from before the frame); vjpgen breaks the "
+                                 "graph so the backward runs as eager runs it"),
+                    hints=[],
+                )
+        return orig(self, tx, gradient, retain_graph, create_graph, inputs)
+
+    method_backward._vjpgen_guard = True
+    TensorVariable.method_backward = method_backward
+
+
+_guard_backward_rewrite()
 
 
 # ------------------------------------------------------------------------------------------
@@ -336,7 +398,7 @@ class CompiledGraph:
             if first is None:
                 fam["first"] = exact
                 fakes, fake_mode = _static_fakes(args)
-                cg = CompiledGraph.build(fn, fakes, fake_mode, self.compiler, self.order + 1, self.label, self.patches)
+                cg = self._build_vjp(fn, fakes, fake_mode)
                 fam["static"][exact] = cg if cg is not None else False
                 return cg
             from .cache import make_guard
@@ -350,10 +412,40 @@ class CompiledGraph:
             tfakes, ivals, shape_env, fake_mode = capture.fakeify(tensors, ints, dd, di)
             it_t, it_i = iter(tfakes), iter(ivals)
             fakes = [next(it_t) if isinstance(a, torch.Tensor) else next(it_i) for a in args]
-            cg = CompiledGraph.build(fn, fakes, fake_mode, self.compiler, self.order + 1, self.label, self.patches)
+            cg = self._build_vjp(fn, fakes, fake_mode)
             guard, _ = make_guard(shape_env, tfakes, ivals)
             fam["dynamic"].append((guard, cg if cg is not None else False))
             return cg
+
+
+    def _build_vjp(self, fn, fakes, fake_mode):
+        """The next order's CompiledGraph, or an :class:`EagerVjp` (counted) where vjpgen cannot
+        build its joint: that order is then computed by running ``fn`` (vjpgen's kernels on the
+        real tensors, recorded by autograd), eager's values, never an error eager does not raise."""
+        order = self.order + 1
+        try:
+            return CompiledGraph.build(fn, fakes, fake_mode, self.compiler, order, self.label, self.patches)
+        except joint.Unsupported as e:
+            reason = str(e)
+        except Exception as e:  # noqa: BLE001 - the order runs uncompiled, with a warning
+            reason = f"{type(e).__name__} while building the joint: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning("vjpgen backend: %s; order %d of this graph runs uncompiled (please report it)", reason, order)
+        record_fallback(f"order {order}: {reason}")
+        return EagerVjp(fn, reason)
+
+
+class EagerVjp:
+    """The vjp of a graph whose next order vjpgen could not compile: ``fn`` (the vjp function,
+    vjpgen's kernels) run on the real tensors, so its ops are recorded by autograd and the order
+    after it is eager's as well."""
+
+    def __init__(self, fn, reason: str):
+        self.fn = fn
+        self.reason = reason
+
+    def call(self, args: list):
+        with torch.enable_grad():
+            return tuple(self.fn(*args))
 
 
 def _find(fam, exact, TI):
@@ -417,7 +509,11 @@ class _BackendFn(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @torch._disable_dynamo
     def backward(ctx, *gouts):
+        # (hidden from dynamo: where dynamo breaks its graph at a torch.autograd.grad call, the
+        # engine calls this backward with dynamo's frame callback still set, and dynamo would trace
+        # vjpgen's own tracing code)
         cg = ctx.cg
         meta = cg.meta
         # the grads of the differentiable outputs (zeros for one that got none), contiguous as the
@@ -431,7 +527,11 @@ class _BackendFn(torch.autograd.Function):
                 g = g.contiguous()
             tangents.append(g)
         if torch.is_grad_enabled():  # create_graph: the grads must be differentiable
-            return (None, None, *_differentiable_backward(ctx, cg, tangents, gouts))
+            grads = _differentiable_backward(ctx, cg, tangents, gouts)
+            if grads is not None:
+                return (None, None, *grads)
+            # no grad depends on anything that requires grad (the vjp of a sum is its tangent
+            # expanded): the first-order backward computes them
         args = cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents)
         del tangents
         if not torch._C._autograd._get_current_graph_task_keep_graph():
@@ -468,10 +568,13 @@ def _differentiable_backward(ctx, cg, tangents, gouts):
     if not torch._C._autograd._get_current_graph_task_keep_graph():
         ctx.primals = None
     vg = cg.vjp_graph(mask, args)
-    if vg is None:
-        return [None] * meta.n_inputs
+    if vg is None:  # no grad requires grad: not None, but constants (the caller's first-order path)
+        return None
     outs = list(vg.call(args))
-    _undefine(outs, vg.fw_deps, gouts, meta.diff_outputs, meta.n_inputs)
+    if isinstance(vg, EagerVjp):  # (it computes only the grads some tangent reaches)
+        _counters()["uncompiled_vjp_calls"] += 1
+    else:
+        _undefine(outs, vg.fw_deps, gouts, meta.diff_outputs, meta.n_inputs)
     res = [None] * meta.n_inputs
     k = 0
     for i, m in enumerate(mask):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import engine, graph_task, leaves, walk
 from .. import native
@@ -385,7 +386,12 @@ def vjp_fn(fn, n_args: int, wrt: tuple, diff_outputs: tuple):
         tangents = list(args[n_args:])
         with torch.enable_grad():
             outs = _as_tuple(fn(*prim))
-        return grad_inline([outs[j] for j in diff_outputs], [prim[i] for i in wrt], tangents, True)
+        grads = grad_inline([outs[j] for j in diff_outputs], [prim[i] for i in wrt], tangents, True)
+        # a grad that is a view of an argument (the vjp of a sum: the tangent expanded) is copied:
+        # a compiled graph's outputs never alias its inputs (nor does an eager backward's grad)
+        args_st = {StorageWeakRef(a.untyped_storage()) for a in args if isinstance(a, torch.Tensor)}
+        return [g.clone() if isinstance(g, torch.Tensor) and StorageWeakRef(g.untyped_storage()) in args_st else g
+                for g in grads]
 
     return vjp
 

@@ -52,7 +52,8 @@ class _Stats:
             "inference_graphs": 0,  # of those, graphs with nothing to differentiate (inner compiler only)
             "compiles": Counter(),  # order -> graphs compiled with a backward from vjpgen's kernels
             "fallbacks": 0,  # graphs handed to torch's AOTAutograd (vjpgen could not build the joint)
-            "fallback_reasons": Counter(),
+            "fallback_reasons": Counter(),  # "reason" for a graph, "order N: reason" for a vjp
+            "uncompiled_vjp_calls": 0,  # calls of a vjp whose joint could not be built (run uncompiled)
             # nodes of a joint with no vjpgen kernel (a custom Function's backward, a node without a
             # generated module, hooks): their own backward was traced into the joint, "Class: reason"
             "own_backward_nodes": Counter(),
