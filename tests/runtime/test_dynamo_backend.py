@@ -435,6 +435,40 @@ def test_create_graph_after_an_inplace_change_of_an_input_raises():
         torch.autograd.grad(out, w, create_graph=True)
 
 
+def test_saved_input_changed_in_place_raises_even_as_a_new_tensor(monkeypatch):
+    """The backward reads an input the forward saved as it is; changed in place before the backward,
+    eager raises its version error. A compiled forward may hand such an input back as a new tensor
+    over the same storage, with a version counter of its own (simulated here): the backend checks
+    the input's own version, so it still raises, never computes with the new values."""
+    from vjpgen.runtime import capture
+
+    real = capture.compile_graph
+
+    def fresh_impls(gm, fake_args, backend, label="", patches=None):
+        fn = real(gm, fake_args, backend, label, patches)
+        if not label.startswith("the forward"):
+            return fn
+
+        def run(args):
+            ids = {id(a): a for a in args if isinstance(a, torch.Tensor)}
+            outs = fn(args)
+            return [torch.empty(0, dtype=o.dtype).set_(o.untyped_storage(), o.storage_offset(), o.shape, o.stride())
+                    if isinstance(o, torch.Tensor) and id(o) in ids else o for o in outs]
+
+        return run
+
+    monkeypatch.setattr(capture, "compile_graph", fresh_impls)
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    for fn in (lambda x: lin(x).relu(), _compiled(lambda x: lin(x).relu())):
+        x = torch.randn(5, 4)
+        y = fn(x)
+        with torch.no_grad():
+            x.copy_(torch.randn(5, 4))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
 def test_fallback_to_aot_autograd_is_counted_and_matches_eager():
     """A graph whose output aliases an input (a view of it) goes to torch's AOTAutograd, counted
     with its reason; its grads are still eager's."""

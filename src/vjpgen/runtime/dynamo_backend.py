@@ -320,6 +320,13 @@ class CompiledGraph:
         cg = cls(fn, meta, fw, bw, tuple(bw_args), len(fw_out) - n_fw, order, compiler, label, fw_gm, bw_gm)
         cg.patches = patches
         cg.saved_kinds = tuple(isinstance(a.meta.get("val"), torch.Tensor) for a in fw_out[n_fw:])
+        # the inputs the backward reads as they are (saved by the forward unchanged): their versions
+        # are checked at the backward, as eager checks a saved input's (a compiled forward may
+        # return an input as a new tensor over its storage, whose version counter is its own)
+        fw_ph = {p: i for i, p in enumerate(fw_gm.graph.find_nodes(op="placeholder"))}
+        read = {k for kind, k in cg.bw_args if kind == "saved"}
+        cg.saved_inputs = tuple(sorted({fw_ph[a] for k, a in enumerate(fw_out[n_fw:])
+                                        if k in read and a in fw_ph and cg.saved_kinds[k]}))
         n = meta.n_inputs
         # per output: the inputs it depends on; per grad: the tangents it depends on (a grad that
         # depends only on tangents that are undefined on a call is undefined, as in eager)
@@ -532,6 +539,7 @@ class _BackendFn(torch.autograd.Function):
                 return (None, None, *grads)
             # no grad depends on anything that requires grad (the vjp of a sum is its tangent
             # expanded): the first-order backward computes them
+        _check_versions(ctx, cg.saved_inputs)
         args = cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents)
         del tangents
         if not torch._C._autograd._get_current_graph_task_keep_graph():
@@ -542,6 +550,22 @@ class _BackendFn(torch.autograd.Function):
         grads = list(cg.bw(args)[:meta.n_inputs])
         _undefine(grads, cg.bw_deps, gouts, meta.diff_outputs, 0)
         return (None, None, *grads)
+
+
+def _check_versions(ctx, positions) -> None:
+    """Eager's error for an input the backward reads that was changed in place since the forward."""
+    primals = ctx.primals
+    if primals is None:
+        return
+    for i in positions:
+        a, v = primals[i], ctx.versions[i]
+        if isinstance(a, torch.Tensor) and a._version != v:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{a.type()} {list(a.shape)}], input {i} of a graph compiled by the vjpgen backend, is at version "
+                f"{a._version}; expected version {v} instead. Hint: the forward's inputs must not be changed in place "
+                "before the backward (an optimizer step or a copy_ into the batch between them)"
+            )
 
 
 def _differentiable_backward(ctx, cg, tangents, gouts):
@@ -555,13 +579,7 @@ def _differentiable_backward(ctx, cg, tangents, gouts):
             "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
             "if you need to access saved tensors after calling backward."
         )
-    for a, v in zip(primals, ctx.versions):
-        if isinstance(a, torch.Tensor) and a._version != v:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"an input of a graph compiled by the vjpgen backend is at version {a._version}; expected version {v} "
-                "instead (a create_graph backward recomputes the graph from its inputs)"
-            )
+    _check_versions(ctx, range(len(primals)))
     meta = cg.meta
     mask = tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs))
     args = [*primals, *tangents]
