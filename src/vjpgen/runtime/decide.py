@@ -273,11 +273,43 @@ def unsupported_grads(grads) -> bool:
     return sparse.any_sparse(grads)
 
 
+def _vmap_mode_bits() -> int:
+    """The bit(s) torch's legacy vmap (``torch._vmap_internals._vmap``) sets in the thread's
+    dispatch include set (``DispatchKey::VmapMode``, not exposed to Python): the difference the
+    mode makes, read once."""
+    before = torch._C._dispatch_tls_local_include_set().raw_repr()
+    torch._C._vmapmode_increment_nesting()
+    try:
+        inside = torch._C._dispatch_tls_local_include_set().raw_repr()
+    finally:
+        torch._C._vmapmode_decrement_nesting()
+    return inside & ~before
+
+
+_VMAP_MODE = _vmap_mode_bits()
+_tls_include = torch._C._dispatch_tls_local_include_set
+
+
+def in_legacy_vmap() -> bool:
+    """This thread runs inside torch's legacy vmap (``torch._vmap_internals._vmap``: batched grads)."""
+    return bool(_tls_include().raw_repr() & _VMAP_MODE)
+
+
+# batched grads: ``torch.autograd.grad(..., is_grads_batched=True)`` and what is built on it
+# (``torch.autograd.functional.jacobian / hessian(vectorize=True)``) call the engine inside torch's
+# legacy vmap, with grads that are BatchedTensors; torch's engine computes them (counted)
+BATCHED_REASON = ("batched grads (inside torch's vmap: is_grads_batched=True, torch.autograd.functional's "
+                  "vectorize=True)")
+
+
 def call_fallback(tensors) -> str | None:
-    """Before a call is planned: the reason the whole call goes to torch.autograd (a layout vjpgen
-    does not capture at all, e.g. mkldnn), or None."""
+    """Before a call is planned: the reason the whole call goes to torch.autograd (anomaly mode, a
+    call inside torch's legacy vmap: batched grads, a layout vjpgen does not capture at all, e.g.
+    mkldnn), or None."""
     if torch.is_anomaly_enabled():  # eager's NaN checks, node names and forward tracebacks
         return "anomaly mode (torch.autograd.detect_anomaly / set_detect_anomaly)"
+    if in_legacy_vmap():
+        return BATCHED_REASON
     for t in tensors:
         if isinstance(t, _Tensor) and t.layout != _STRIDED and t.layout not in sparse.SPARSE_LAYOUTS:
             return f"{t.layout} tensors are not captured"

@@ -301,9 +301,14 @@ class _DiffFn(torch.autograd.Function):
         if not any(mask):
             return (None, None, None, *([None] * len(tensors)))
         cts = [c.contiguous() for c in cts]  # the vjp graph was traced with contiguous cotangents
-        vjp = dg.vjp_for(mask, tensors, ints, ctx.all_ints)
+        # (torch's engine differentiating this node inside its legacy vmap, batched grads, with
+        # create_graph: a custom Function node made there differentiates wrongly later (torch's
+        # own Functions do too), so the vjp is plain differentiable ops, torch.func.vjp's)
+        batched = torch.is_grad_enabled() and decide.in_legacy_vmap()
+        vjp = _EAGER if batched else dg.vjp_for(mask, tensors, ints, ctx.all_ints)
         if vjp is _EAGER:
-            record_fallback(dg.order + 1, "vjp computed eagerly (torch.func.vjp of the kernels)")
+            record_fallback(dg.order + 1, "create_graph inside torch's vmap (batched grads): torch.func.vjp of "
+                            "the kernels" if batched else "vjp computed eagerly (torch.func.vjp of the kernels)")
             fam = dg.family
             gs = _vjp_pyfn(fam.pyfn, fam.n_tensors, fam.n_ints, mask)(*tensors, *cts, *ctx.all_ints)
         else:
