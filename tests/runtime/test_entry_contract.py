@@ -169,3 +169,106 @@ def test_batched_create_graph_through_a_compiled_create_graph_region_differentia
     st = rt.stats()
     assert st["higher_order"]["compiles"].get(1) == 1  # the gradient itself is vjpgen's compiled graph
     assert any("inside torch's vmap" in r for r in st["higher_order"]["fallback_reasons"]), st["higher_order"]
+
+
+# ------------------------------------------------------------------------------------------
+# errors after regrouping: the state of every leaf after a backward that raises eager's error
+# at a node vjpgen had put inside a compiled region
+
+
+def _spectral_linear_step(backward):
+    """A spectral-norm Linear, two backwards through one retained graph with ``opt.step()`` between
+    them: the second meets the weight the step changed in place."""
+    torch.manual_seed(0)
+    m = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(4, 5))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    loss = m(torch.randn(3, 4)).pow(2).sum()
+    backward(loss, retain_graph=True)
+    opt.step()
+    backward(loss)
+    return list(m.parameters())
+
+
+def _inplace_after_forward(late_branch):
+    """``out = (x * 3) * w + b (+ c * 2)``, ``w`` changed in place before the backward: eager's
+    engine accumulates ``b`` (and ``c`` when its node runs first: created after ``w``'s, it has the
+    higher sequence number), then raises at ``w``'s MulBackward0; ``x``, ``w`` never get a grad."""
+
+    def scenario(backward):
+        torch.manual_seed(0)
+        x, w, b, c = (torch.randn(4, requires_grad=True) for _ in range(4))
+        early = (c * 2).sum() if not late_branch else 0
+        z = (x * 3) * w
+        out = z.sum() + b.sum() + early + ((c * 2).sum() if late_branch else 0)
+        with torch.no_grad():
+            w.add_(1.0)
+        backward(out)
+        return [x, w, b, c]
+
+    return scenario
+
+
+_ERROR_SCENARIOS = {
+    "spectral-norm Linear, opt.step between backwards": _spectral_linear_step,
+    "weight changed in place, independent branch first": _inplace_after_forward(True),
+    "weight changed in place, independent branch last": _inplace_after_forward(False),
+}
+
+_BACKWARDS = {
+    "Tensor.backward": lambda loss, **kw: loss.backward(**kw),
+    "autograd.backward": lambda loss, **kw: torch.autograd.backward(loss, **kw),
+    "rt.backward": lambda loss, **kw: rt.backward(loss, backend=BACKEND, **kw),
+    "Tensor.backward create_graph": lambda loss, **kw: loss.backward(create_graph=True, **kw),
+}
+
+
+@pytest.mark.parametrize("ep", list(_BACKWARDS))
+@pytest.mark.parametrize("name", list(_ERROR_SCENARIOS))
+def test_leaf_grads_after_an_error_in_a_region_match_eager(name, ep):
+    scenario = _ERROR_SCENARIOS[name]
+    backward = _BACKWARDS[ep]
+    ref = "autograd.backward" if ep == "rt.backward" else ep
+
+    def observe(bw, block):
+        seen = {}
+
+        def run(loss, **kw):
+            seen.setdefault("leaves", [t for t in _leaves_reachable(loss)])
+            return bw(loss, **kw)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            with block:
+                try:
+                    scenario(run)
+                except RuntimeError as e:
+                    return str(e).splitlines()[0], [None if t.grad is None else t.grad.detach().clone()
+                                                    for t in seen["leaves"]]
+        raise AssertionError("the scenario did not raise")
+
+    want = observe(_BACKWARDS[ref], contextlib.nullcontext())
+    rt.reset_stats()
+    got = observe(backward, rt.compiled_autograd(BACKEND) if not ep.startswith("rt.") else contextlib.nullcontext())
+    st = rt.stats()
+    assert got[0] == want[0]
+    assert [g is None for g in got[1]] == [g is None for g in want[1]], (got[1], want[1])
+    for g, w in zip(got[1], want[1]):
+        if w is not None:
+            torch.testing.assert_close(g, w)
+    assert st["backward_calls"] >= 1 and st["eager_fallbacks"] == 0
+    # eager's error is the user's, not a node vjpgen cannot compile: no graph break
+    assert st["graph_breaks"] == 0, st["graph_break_reasons"]
+
+
+def _leaves_reachable(t):
+    """The leaves (AccumulateGrad variables) of ``t``'s graph, in a fixed order."""
+    out, seen, stack = [], set(), [t.grad_fn]
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if hasattr(n, "variable"):
+            out.append(n.variable)
+        stack.extend(f for f, _ in n.next_functions)
+    return sorted(out, key=lambda v: tuple(v.shape) + (float(v.detach().flatten()[0]),))

@@ -381,6 +381,28 @@ def f_error_mid_backward(call):
     return errs, w.grad, b.grad
 
 
+def f_error_after_inplace_step(call):
+    """A spectral-norm Linear, two backwards through one retained graph with ``opt.step()`` between
+    them: the second raises at the node whose saved weight the step changed in place; the bias,
+    whose producer the engine ran before that node, has its grad accumulated, the weight not (the
+    nodes vjpgen groups into one compiled region run one by one up to the error)."""
+    torch.manual_seed(0)
+    m = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(4, 5))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    params = list(m.parameters())
+    loss = m(torch.randn(3, 4)).pow(2).sum()
+    r = call(loss, params, retain_graph=True)
+    if call.kind == "grad":
+        for p, g in zip(params, r):
+            p.grad = g.detach().clone()
+    opt.step()
+    try:
+        call(loss, params)
+    except RuntimeError as e:
+        return _first_line(str(e)), [p.grad for p in params]
+    return "no error", [p.grad for p in params]
+
+
 def f_subclass_grad_type(call):
     p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     t = TwoTensor(torch.tensor([0.5, 0.5, 0.5]), torch.tensor([1.0, 1.0, 1.0]))
@@ -430,6 +452,7 @@ FEATURES = {
     "mark_non_differentiable / mark_dirty / set_materialize_grads": f_function_ctx_marks,
     "anomaly mode": f_anomaly_nan,
     "error mid-backward": f_error_mid_backward,
+    "error after an in-place optimizer step": f_error_after_inplace_step,
     "subclass grad type": f_subclass_grad_type,
     "dict inputs": f_dict_inputs,
     "retain_graph, then a freed graph": f_retain_graph_and_freed,

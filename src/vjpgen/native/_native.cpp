@@ -2149,7 +2149,8 @@ torch::autograd::variable_list engine_tensor_pre_hooks(torch::autograd::Node& fn
 }
 
 // Runs fn with the GIL released, as the engine runs nodes; a Python error raised inside (a Python
-// hook) is restored as the pending Python exception and a C++ error becomes a RuntimeError.
+// hook) is restored as the pending Python exception and a C++ error becomes a RuntimeError with
+// torch's message (torch::processErrorMsg: "torch.FloatTensor", not "CPUFloatType", as eager says it).
 template <typename F>
 void without_gil(F&& fn) {
   bool py_err = false;
@@ -2171,8 +2172,8 @@ void without_gil(F&& fn) {
   if (py_err) {
     throw pybind11::error_already_set();
   }
-  if (!cpp_err.empty()) {
-    throw std::runtime_error(cpp_err);
+  if (!cpp_err.empty()) {  // with the Python names of tensor types, as torch's own bindings say them
+    throw std::runtime_error(torch::processErrorMsg(cpp_err));
   }
 }
 

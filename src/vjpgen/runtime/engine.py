@@ -362,34 +362,64 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
 
 
 def _break_region(e, region, plan, nodes, metas, buf, ctx, when) -> None:
-    """A node of ``region`` cannot be traced: it becomes a graph break (for later calls, through
-    the new plan the API stores) and this call runs the region's nodes one by one, eagerly."""
+    """A node of ``region`` cannot be traced (or its state read): this call runs the region's nodes
+    one by one, the failing one live (or its generated module eagerly), and, if the call gets past
+    it, it is a graph break for later calls (through the new plan the API stores). If the node
+    raises when run as the engine runs it (a saved tensor modified in place since the forward, a
+    graph freed by an earlier backward), the error is eager's and the user's: not a graph break,
+    and the region's nodes before it have run, as in eager."""
     mode, reason = decide.trace_failure(e.exc, when)
-    _mark_live(plan, {e.node_index: reason}, ctx, mode)
-    if ctx.graphs is not None:
-        ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
-    for i in region.nodes:
-        _run_live(i, plan, nodes, metas, buf, ctx)
+    _interpret(region, plan, nodes, metas, buf, ctx, {e.node_index: reason}, mode)
 
 
 def interpret_until_error(region, plan, nodes, metas, buf, ctx) -> None:
     """A region whose saved state an earlier backward freed: its nodes run live, as the engine would
     run them, up to the one that raises eager's error (the nodes before it have run then, see
     :func:`_sink_complete`). Not a graph break: the plan is unchanged."""
+    _interpret(region, plan, nodes, metas, buf, ctx, None)
+
+
+def _interpret(region, plan, nodes, metas, buf, ctx, reasons, mode: str = "node") -> None:
+    """Run a region's nodes one by one in the plan's (the engine's) order, instead of its compiled
+    graph. ``reasons`` (node index -> why): nodes that run live this call (with ``mode``) and become
+    graph breaks only once the region has run without an error: a node that raises eager's error
+    (its saved state cannot be read as in eager: modified in place, freed) leaves the plan as it
+    was. While the nodes run, ``ctx.partial`` lists those done, so that after an error the leaves
+    whose producers all ran are accumulated (:func:`_sink_complete`), as the engine has run their
+    AccumulateGrad nodes by the time it meets the failing node."""
+    if ctx.graphs is not None and reasons:
+        ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
+    before = dict(ctx.breaks)
+    for i, reason in (reasons or {}).items():
+        ctx.breaks[i] = (mode, reason)  # (how _run_live runs it, this call)
     ran: list = []
     ctx.partial = ran
-    for i in region.nodes:
-        _run_live(i, plan, nodes, metas, buf, ctx)
-        ran.append(i)
+    try:
+        for i in region.nodes:
+            _run_live(i, plan, nodes, metas, buf, ctx)
+            ran.append(i)
+    except BaseException:
+        # eager's error, not a graph break: the breaks this region would have added (a module
+        # that failed on the same state included) are dropped; ctx.partial stays for the sinks
+        ctx.breaks.clear()
+        ctx.breaks.update(before)
+        raise
     ctx.partial = ()
+    if reasons:
+        _record_breaks(plan, reasons)
 
 
 def _mark_live(plan: Plan, reasons: dict, ctx: CallContext, mode: str = "node") -> None:
     """The nodes of ``reasons`` (index -> why) are graph breaks from now on: this call runs them
     live (``ctx.breaks``) and later calls get a plan with them live (``plan.with_live``)."""
     for i, reason in reasons.items():
-        info = plan.infos[i]
         ctx.breaks[i] = (mode, reason)
+    _record_breaks(plan, reasons)
+
+
+def _record_breaks(plan: Plan, reasons: dict) -> None:
+    for i, reason in reasons.items():
+        info = plan.infos[i]
         record_break(info.name, reason)
         log.debug("vjpgen: graph break at %s: %s", info.name, reason)
 
@@ -401,11 +431,7 @@ def _guard_break(region, plan, nodes, metas, buf, ctx) -> None:
     reasons = decide.region_reasons(region, plan, nodes, buf)
     if not reasons:  # a tensor no node claims (never a wrong grad: the whole region runs live)
         reasons = {i: "sparse, subclass or nested tensor among the region's inputs" for i in region.nodes}
-    _mark_live(plan, reasons, ctx)
-    if ctx.graphs is not None:
-        ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
-    for i in region.nodes:
-        _run_live(i, plan, nodes, metas, buf, ctx)
+    _interpret(region, plan, nodes, metas, buf, ctx, reasons)
 
 
 def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext):
