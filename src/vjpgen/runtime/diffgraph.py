@@ -1,0 +1,479 @@
+"""A compiled function whose backward is compiled and itself differentiable, to any order: the one
+higher-order mechanism of vjpgen. The ``vjpgen`` torch.compile backend builds one per dynamo graph
+(:mod:`vjpgen.runtime.dynamo_backend`); the runtime's ``create_graph`` backward builds one per
+compiled region (:mod:`vjpgen.runtime.higher_order`).
+
+A :class:`CompiledGraph` is traced from a Python function over fake tensors (runtime/joint.py):
+the function functionalized and decomposed to aten, its backward built from vjpgen's generated
+kernels through the one executor, partitioned with torch's partitioner (min-cut for Inductor) and
+both halves compiled. It runs as one :class:`GraphFn` node of the autograd graph. Under
+``create_graph`` that node's backward calls the graph of its vjp (:meth:`CompiledGraph.vjp_graph`:
+:func:`vjpgen.runtime.joint.vjp_fn` of the function, vjpgen's kernels again, traced, partitioned and
+compiled on first use), itself a CompiledGraph, so every order is compiled from vjpgen's kernels.
+
+One cache and retrace policy (per vjp: traced at the exact sizes first; once sizes change, once more
+with the changed dimensions symbolic, valid where its shape guards hold), one lock
+(``capture.LOCK``), one fallback (a vjp whose joint cannot be built runs the same vjp function
+uncompiled: :class:`EagerVjp`, counted). Counters go to the dict the first graph was built with
+(``stats()["backend"]`` for dynamo's graphs, ``stats()["higher_order"]`` for the runtime's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from . import api, capture, decide, joint
+from .. import logs
+from .stats import STATS
+
+log = logging.getLogger("vjpgen")
+
+
+def record_fallback(counters: dict, reason: str) -> None:
+    """A graph (or an order of one) that is not compiled from vjpgen's kernels, with its reason."""
+    counters["fallbacks"] += 1
+    counters["fallback_reasons"][reason] += 1
+    log.debug("vjpgen: %s", reason)
+
+
+def _decompositions(compiler: str):
+    if compiler == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+
+        return select_decomp_table()
+    return {}
+
+
+@contextlib.contextmanager
+def _own_tracing_context(fake_mode):
+    """The inner compiles of the forward and backward graphs in a tracing context of their own
+    (dynamo's fake mode, so its ShapeEnv: a size the compile specializes is guarded by dynamo):
+    what dynamo's context holds for the graph it hands the backend (DDPOptimizer's
+    ``fakify_first_call``, its AOTAutograd metadata) is not theirs. To DDPOptimizer they are not
+    an AOTAutograd call of its own (it would call the backend's function with fake tensors and
+    expect AOTAutograd's metadata): its count of those is left as it was."""
+    from torch._dynamo.utils import counters
+
+    before = counters["aot_autograd"]["total"]
+    try:
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            yield
+    finally:
+        counters["aot_autograd"]["total"] = before
+
+
+def _placeholder_vals(gm) -> list:
+    return [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+
+
+class CompiledGraph:
+    """A function compiled with a backward built from vjpgen's kernels (see the module docstring).
+
+    ``fn``: the Python function it was traced from (dynamo's graph at order 1; at order k + 1 the
+    vjp of the order-k function, :func:`vjpgen.runtime.joint.vjp_fn`), which the next order's
+    joint is traced from."""
+
+    def __init__(self, fn, meta, fw, bw, bw_args, n_saved, order, compiler, label, fw_gm, bw_gm, counters):
+        self.counters = counters  # the stats() dict this graph and its vjps count into
+        self.fn = fn
+        self.meta = meta
+        self.fw = fw  # boxed: inputs -> outputs + mutated inputs' new values + saved values
+        self.bw = bw  # boxed: bw_args -> grads (one per input, None where it needs none)
+        self.bw_args = bw_args  # per backward input: ("saved", k) or ("tangent", j)
+        self.n_saved = n_saved
+        self.order = order
+        self.compiler = compiler
+        self.label = label
+        self.fw_gm = fw_gm
+        self.bw_gm = bw_gm
+        self.vjps: dict = {}  # (mask, requires-grad pattern, sizes) -> CompiledGraph of the vjp
+
+    @classmethod
+    def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str, patches=None, counters=None):
+        """Trace, partition and compile; None when no output requires grad. ``patches``: Inductor
+        settings (from ``torch.compile``'s ``mode``); ``counters``: the stats() dict it counts into
+        (the backend's by default)."""
+        if counters is None:
+            counters = STATS.backend
+        joint.prepare()
+        # a torch.autograd.grad inside the graph (dynamo's trace_autograd_ops; every vjp graph)
+        # is expanded with vjpgen's kernels while tracing
+        with api.expanding(joint.engine_call):
+            meta = joint.analyze(fn, fakes, fake_mode)
+        if not meta.diff_outputs:
+            return None
+        with capture.LOCK:
+            with api.expanding(joint.engine_call):
+                gm = joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
+            deps = capture.output_deps(gm)
+            fw_gm, bw_gm = joint.partition(gm, meta, compiler)
+            n_fw = meta.num_fwd_outputs
+            fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
+            pos = {}  # the partitioner names a saved value's backward placeholder after its node
+            for k, a in enumerate(fw_out[n_fw:]):
+                if isinstance(a, torch.fx.Node):
+                    pos.setdefault(a.name, k)
+            if meta.mutated:
+                joint.save_old_values(fw_gm, n_fw, meta.mutated)
+            bw_args = []
+            for p in bw_gm.graph.find_nodes(op="placeholder"):
+                if p.name.startswith("tangents_"):  # tangents_<k>: the k-th (from 1) differentiable output's
+                    bw_args.append(("tangent", int(p.name.rsplit("_", 1)[1]) - 1))
+                elif p.name in pos:
+                    bw_args.append(("saved", pos[p.name]))
+                else:
+                    raise joint.Unsupported(f"the partitioned backward reads {p.name}, which the forward does not save")
+            what = f"{label} (order {order})"
+            with _own_tracing_context(fake_mode), logs.progress(
+                    f"compiling the forward and backward of a {what} with {compiler}"):
+                fw = capture.compile_graph(fw_gm, list(fakes), compiler, f"the forward of {what}", patches)
+                bw = capture.compile_graph(bw_gm, _placeholder_vals(bw_gm), compiler, f"the backward of {what}",
+                                           patches)
+        counters["compiles"][order] += 1
+        cg = cls(fn, meta, fw, bw, tuple(bw_args), len(fw_out) - n_fw, order, compiler, label, fw_gm, bw_gm, counters)
+        cg.patches = patches
+        cg.saved_kinds = tuple(isinstance(a.meta.get("val"), torch.Tensor) for a in fw_out[n_fw:])
+        # the inputs the backward reads as they are (saved by the forward unchanged): their versions
+        # are checked at the backward, as eager checks a saved input's (a compiled forward may
+        # return an input as a new tensor over its storage, whose version counter is its own)
+        fw_ph = {p: i for i, p in enumerate(fw_gm.graph.find_nodes(op="placeholder"))}
+        read = {k for kind, k in cg.bw_args if kind == "saved"}
+        cg.saved_inputs = tuple(sorted({fw_ph[a] for k, a in enumerate(fw_out[n_fw:])
+                                        if k in read and a in fw_ph and cg.saved_kinds[k]}))
+        n = meta.n_inputs
+        # per output: the inputs it depends on; per grad: the tangents it depends on (a grad that
+        # depends only on tangents that are undefined on a call is undefined, as in eager)
+        cg.fw_deps = tuple(deps[:len(meta.out_kinds)])
+        cg.bw_deps = tuple(frozenset(t - n for t in d if t >= n) for d in deps[n_fw:n_fw + n])
+        return cg
+
+    # -- calling
+
+    def runtime(self):
+        """The callable dynamo calls (unboxed): the outputs, through :class:`GraphFn` when grad
+        mode is on and an input requires grad (dynamo guards both)."""
+        meta = self.meta
+        mutated = meta.mutated
+
+        def run(*args):
+            box: list = []
+            outs = GraphFn.apply(self, box, *args)
+            if not isinstance(outs, tuple):
+                outs = (outs,)
+            if mutated:
+                with torch.no_grad():
+                    for i, v in zip(mutated, box):
+                        args[i].copy_(v)
+            return outs
+
+        run._vjpgen_graph = self
+        return run
+
+    def call(self, args: list):
+        """Outputs of this graph for ``args`` (differentiable where an input requires grad)."""
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            box: list = []
+            outs = GraphFn.apply(self, box, *args)
+            return outs if isinstance(outs, tuple) else (outs,)
+        n = len(self.meta.out_kinds)
+        return tuple(self.fw(list(args))[:n])
+
+    def bw_inputs(self, tensors, others, tangents) -> list:
+        """The backward graph's arguments from the saved tensors, the other saved values (sizes)
+        and the tangents."""
+        it_t = iter(tensors)
+        it_o = iter(others)
+        saved = [next(it_t) if k else next(it_o) for k in self.saved_kinds]
+        return [saved[k] if kind == "saved" else tangents[k] for kind, k in self.bw_args]
+
+    # -- the next order
+
+    def vjp_graph(self, mask: tuple, args: list):
+        """The CompiledGraph of this graph's vjp with respect to the inputs in ``mask``, for
+        ``args`` (primals then tangents): traced at their exact sizes on first use; when sizes
+        change (a force field trained on molecules of different atom counts), traced once more
+        with the dimensions that changed symbolic, valid where its shape guards hold (as the
+        runtime's regions turn dynamic after one change)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        ints = [a for a in args if not isinstance(a, torch.Tensor)]
+        # the structure: everything but the sizes (the tensors' and the int arguments, which dynamo
+        # passes for its dynamic sizes)
+        skey = (mask, tuple((a.dtype, a.device, a.dim(), a.requires_grad) if isinstance(a, torch.Tensor)
+                            else type(a) for a in args))
+        exact = (tuple((tuple(t.shape), tuple(t.stride())) for t in tensors), tuple(ints))
+        TI = [*tensors, *ints]
+        fam = self.vjps.get(skey)
+        if fam is not None:
+            cg = _find(fam, exact, TI)
+            if cg is not None:
+                return cg or None
+        with capture.LOCK:  # one trace at a time; another thread may have traced it meanwhile
+            fam = self.vjps.setdefault(skey, {"static": {}, "dynamic": [], "first": None})
+            cg = _find(fam, exact, TI)
+            if cg is not None:
+                return cg or None
+            wrt = tuple(i for i, m in enumerate(mask) if m)
+            fn = joint.vjp_fn(self.fn, self.meta.n_inputs, wrt, self.meta.diff_outputs)
+            first = fam["first"]
+            if first is None:
+                fam["first"] = exact
+                fakes, fake_mode = _static_fakes(args)
+                cg = self._build_vjp(fn, fakes, fake_mode)
+                fam["static"][exact] = cg if cg is not None else False
+                return cg
+            from .cache import make_guard
+
+            dd = {}
+            for k, ((shape, _), (shape0, _)) in enumerate(zip(exact[0], first[0])):
+                dims = {d for d, (a, b) in enumerate(zip(shape, shape0)) if a != b}
+                if dims:
+                    dd[k] = dims
+            di = {j for j, (a, b) in enumerate(zip(exact[1], first[1])) if a != b}
+            tfakes, ivals, shape_env, fake_mode = capture.fakeify(tensors, ints, dd, di)
+            it_t, it_i = iter(tfakes), iter(ivals)
+            fakes = [next(it_t) if isinstance(a, torch.Tensor) else next(it_i) for a in args]
+            cg = self._build_vjp(fn, fakes, fake_mode)
+            guard, _ = make_guard(shape_env, tfakes, ivals)
+            fam["dynamic"].append((guard, cg if cg is not None else False))
+            return cg
+
+
+    def _build_vjp(self, fn, fakes, fake_mode):
+        """The next order's CompiledGraph, or an :class:`EagerVjp` (counted) where vjpgen cannot
+        build its joint: that order is then computed by running ``fn`` (vjpgen's kernels on the
+        real tensors, recorded by autograd), eager's values, never an error eager does not raise."""
+        order = self.order + 1
+        try:
+            return CompiledGraph.build(fn, fakes, fake_mode, self.compiler, order, self.label, self.patches,
+                                       self.counters)
+        except joint.Unsupported as e:
+            reason = str(e)
+        except Exception as e:  # noqa: BLE001 - the order runs uncompiled, with a warning
+            reason = f"{type(e).__name__} while building the joint: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning("vjpgen backend: %s; order %d of this graph runs uncompiled (please report it)", reason, order)
+        record_fallback(self.counters, f"order {order}: {reason}")
+        return EagerVjp(fn, reason)
+
+
+class EagerVjp:
+    """The vjp of a graph whose next order vjpgen could not compile: ``fn`` (the vjp function,
+    vjpgen's kernels) run on the real tensors, so its ops are recorded by autograd and the order
+    after it is eager's as well."""
+
+    def __init__(self, fn, reason: str):
+        self.fn = fn
+        self.reason = reason
+
+    def call(self, args: list):
+        with torch.enable_grad():
+            return tuple(self.fn(*args))
+
+
+def _find(fam, exact, TI):
+    """A compiled vjp of a family for these sizes: the static one traced at exactly them, or a
+    dynamic one whose shape guards hold (over the tensors, then the ints)."""
+    cg = fam["static"].get(exact)
+    if cg is not None:
+        return cg
+    for guard, cg in fam["dynamic"]:
+        if _holds(guard, TI):
+            return cg
+    return None
+
+
+def _holds(guard, tensors) -> bool:
+    try:
+        return bool(guard(tensors))
+    except Exception:  # a guard that cannot evaluate does not match
+        return False
+
+
+def _static_fakes(args):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            f = mode.from_tensor(a, static_shapes=True)
+            out.append(f)
+        else:
+            out.append(a)
+    return out, mode
+
+
+class GraphFn(torch.autograd.Function):
+    """One call of a :class:`CompiledGraph` as a node of the autograd graph."""
+
+    @staticmethod
+    def forward(ctx, cg, box, *args):
+        meta = cg.meta
+        res = cg.fw(list(args))
+        n_out = len(meta.out_kinds)
+        n_fw = meta.num_fwd_outputs
+        outs = res[:n_out]
+        box.extend(res[n_out:n_fw])
+        saved = res[n_fw:]
+        ctx.cg = cg
+        kinds = cg.saved_kinds
+        ctx.save_for_backward(*[s for s, k in zip(saved, kinds) if k])
+        ctx.saved_other = [int(s) for s, k in zip(saved, kinds) if not k]
+        # the inputs, for a create_graph backward (recomputed from them): plain references, with
+        # their versions, so a first-order backward never unpacks (nor version-checks) them
+        ctx.primals = args
+        ctx.versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+        ctx.diff_meta = [(outs[j].shape, outs[j].dtype, outs[j].device) for j in meta.diff_outputs]
+        nondiff = [outs[j] for j in meta.nondiff_outputs]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    @torch._disable_dynamo
+    def backward(ctx, *gouts):
+        # (hidden from dynamo: where dynamo breaks its graph at a torch.autograd.grad call, the
+        # engine calls this backward with dynamo's frame callback still set, and dynamo would trace
+        # vjpgen's own tracing code)
+        cg = ctx.cg
+        meta = cg.meta
+        # the grads of the differentiable outputs (zeros for one that got none), contiguous as the
+        # backward was traced with
+        tangents = []
+        for j, (shape, dtype, device) in zip(meta.diff_outputs, ctx.diff_meta):
+            g = gouts[j]
+            if g is None:
+                g = torch.zeros(shape, dtype=dtype, device=device)
+            elif not g.is_contiguous():
+                g = g.contiguous()
+            tangents.append(g)
+        if torch.is_grad_enabled():  # create_graph: the grads must be differentiable
+            grads = _differentiable_backward(ctx, cg, tangents, gouts)
+            if grads is not None:
+                return (None, None, *grads)
+            # no grad depends on anything that requires grad (the vjp of a sum is its tangent
+            # expanded): the first-order backward computes them
+        _check_versions(ctx, cg.saved_inputs)
+        args = cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents)
+        del tangents
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            # the compiled backward holds the only references to what it reads and frees each
+            # saved tensor after its last use (as AOTAutograd's compiled backward does)
+            ctx.primals = None
+            ctx.maybe_clear_saved_tensors()
+        grads = list(cg.bw(args)[:meta.n_inputs])
+        _undefine(grads, cg.bw_deps, gouts, meta.diff_outputs, 0)
+        return (None, None, *grads)
+
+
+def _check_versions(ctx, positions) -> None:
+    """Eager's error for an input the backward reads that was changed in place since the forward."""
+    primals = ctx.primals
+    if primals is None:
+        return
+    for i in positions:
+        a, v = primals[i], ctx.versions[i]
+        if isinstance(a, torch.Tensor) and a._version != v:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{a.type()} {list(a.shape)}], input {i} of a graph compiled by the vjpgen backend, is at version "
+                f"{a._version}; expected version {v} instead. Hint: the forward's inputs must not be changed in place "
+                "before the backward (an optimizer step or a copy_ into the batch between them)"
+            )
+
+
+def _differentiable_backward(ctx, cg, tangents, gouts):
+    """A create_graph backward: the grads as the outputs of the vjp's own compiled graph, called
+    on the inputs (whose history it keeps) and the tangents."""
+    primals = ctx.primals
+    if primals is None:
+        raise RuntimeError(
+            "Trying to backward through the graph a second time (or directly access saved tensors after they have "
+            "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
+            "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
+            "if you need to access saved tensors after calling backward."
+        )
+    _check_versions(ctx, range(len(primals)))
+    meta = cg.meta
+    mask = tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs))
+    args = [*primals, *tangents]
+    if not torch._C._autograd._get_current_graph_task_keep_graph():
+        ctx.primals = None
+    vg = cg.vjp_graph(mask, args)
+    if vg is None:  # no grad requires grad: not None, but constants (the caller's first-order path)
+        return None
+    outs = list(vg.call(args))
+    if isinstance(vg, EagerVjp):  # (it computes only the grads some tangent reaches)
+        cg.counters["uncompiled_vjp_calls"] += 1
+    else:
+        _undefine(outs, vg.fw_deps, gouts, meta.diff_outputs, meta.n_inputs)
+    res = [None] * meta.n_inputs
+    k = 0
+    for i, m in enumerate(mask):
+        if m:
+            res[i] = outs[k]
+            k += 1
+    return res
+
+
+def _undefine(grads: list, deps, gouts, diff_outputs, offset: int) -> None:
+    """Set to None (in place) each grad that depends on no tangent defined on this call (eager
+    never reaches that input: its grad stays undefined, not zeros). ``deps[k]``: the positions
+    (from ``offset``) of the tangents grad k depends on."""
+    if all(gouts[j] is not None for j in diff_outputs):
+        return
+    defined = {offset + t for t, j in enumerate(diff_outputs) if gouts[j] is not None}
+    for k, d in enumerate(deps):
+        if k < len(grads) and grads[k] is not None and not (d & defined):
+            grads[k] = None
+
+
+class BackendFnModule:
+    """The generated-module interface of :class:`GraphFn`'s node, for vjpgen's runtime
+    (``vjpgen.runtime.compiled_autograd()`` around a backward through a graph this backend
+    compiled): the node's first-order backward is the graph's backward module (aten ops), traced
+    into the runtime's region with the rest of its nodes. A create_graph call through it goes to
+    torch.autograd (``FIRST_ORDER_ONLY``, decide.create_graph_reason), which runs the Function's
+    own differentiable backward."""
+
+    NAME = "GraphFnBackward"
+    SAVED = ("graph", "saved_tensors", "saved_sizes", "output_metadata")
+    SCHEMA = ("Any", "Tensor[]", "SymInt[]", "(SymInt[], ScalarType, Device)[]")
+    USES_EDGE_META = False
+    TRANSLATED = True
+    FIRST_ORDER_ONLY = True
+
+    def get_saved(self, node, edge_meta=None) -> list:
+        outs = tuple((tuple(s), dt, dev) for s, dt, dev in node.diff_meta)
+        return [node.cg, list(node.saved_tensors), list(node.saved_other), outs]
+
+    def get_needs(self, node, should_compute=None) -> tuple:
+        nf = node.next_functions
+        return tuple(nf[j][0] is not None and (should_compute is None or should_compute(j)) for j in range(len(nf)))
+
+    def get_state(self, node, should_compute=None) -> list:
+        return [self.get_needs(node, should_compute), *self.get_saved(node)]
+
+    def apply_functional(self, grads, needs_input_grad, cg, tensors, sizes, outs):
+        meta = cg.meta
+        gouts = [None] * len(meta.out_kinds)
+        tensor_outs = [j for j, k in enumerate(meta.out_kinds) if k == "tensor"]
+        for j, g in zip(tensor_outs, grads):
+            gouts[j] = g
+        tangents = [
+            torch.zeros(shape, dtype=dt, device=dev) if gouts[j] is None else gouts[j].contiguous()
+            for j, (shape, dt, dev) in zip(meta.diff_outputs, outs)
+        ]
+        res = list(cg.bw_gm(*cg.bw_inputs(tensors, sizes, tangents))[:meta.n_inputs])
+        _undefine(res, cg.bw_deps, gouts, meta.diff_outputs, 0)
+        per_edge = [res[i] for i in meta.tensor_inputs]  # one edge per tensor input
+        return [g if n else None for g, n in zip(per_edge, needs_input_grad)]
+
+    def apply_functional_ivalue(self, grads, stack):
+        return self.apply_functional(grads, *stack)
+
+
+GraphFn.vjpgen_module = BackendFnModule()
