@@ -276,7 +276,9 @@ def unsupported_grads(grads) -> bool:
 def _vmap_mode_bits() -> int:
     """The bit(s) torch's legacy vmap (``torch._vmap_internals._vmap``) sets in the thread's
     dispatch include set (``DispatchKey::VmapMode``, not exposed to Python): the difference the
-    mode makes, read once."""
+    mode makes, read once (0 where a torch has no legacy vmap)."""
+    if not hasattr(torch._C, "_vmapmode_increment_nesting"):
+        return 0
     before = torch._C._dispatch_tls_local_include_set().raw_repr()
     torch._C._vmapmode_increment_nesting()
     try:
