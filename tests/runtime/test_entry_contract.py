@@ -208,10 +208,28 @@ def _inplace_after_forward(late_branch):
     return scenario
 
 
+def _inplace_after_cached_calls(backward):
+    """The same structure backwarded twice (its regions cached, their gathers specialized), then a
+    third time with ``w`` changed in place: the specialized gather gives way to the general path,
+    which runs the region's nodes up to eager's error."""
+    torch.manual_seed(0)
+    x, w, b, c = (torch.randn(4, requires_grad=True) for _ in range(4))
+    for k in range(3):
+        for t in (x, w, b, c):
+            t.grad = None
+        out = ((x * 3) * w).sum() + b.sum() + (c * 2).sum()
+        if k == 2:
+            with torch.no_grad():
+                w.add_(1.0)
+        backward(out)
+    return [x, w, b, c]
+
+
 _ERROR_SCENARIOS = {
     "spectral-norm Linear, opt.step between backwards": _spectral_linear_step,
     "weight changed in place, independent branch first": _inplace_after_forward(True),
     "weight changed in place, independent branch last": _inplace_after_forward(False),
+    "weight changed in place after cached calls": _inplace_after_cached_calls,
 }
 
 _BACKWARDS = {
