@@ -560,10 +560,11 @@ def _bypass():
 
 
 def _foreign(outputs, inputs) -> bool:
-    """A backward that is not vjpgen's to run: inside a torch.func transform (``is_grads_batched``'s
-    vmap included), or inside a trace (a dispatch mode such as make_fx's or a fake mode is active,
-    or the tensors are fake or functional ones). Other tensor subclasses are vjpgen's: the nodes
-    that touch them run live (decide.py)."""
+    """A backward that is not vjpgen's to run: inside a torch.func transform, or inside a trace (a
+    dispatch mode such as make_fx's or a fake mode is active, or the tensors are fake or functional
+    ones). Other tensor subclasses are vjpgen's: the nodes that touch them run live (decide.py).
+    (Batched grads, ``is_grads_batched``, run inside torch's legacy vmap, which this does not see:
+    ``decide.call_fallback`` sends them to torch's engine, counted.)"""
     if _transformed():
         return True
     for group in (outputs, inputs):
