@@ -28,6 +28,7 @@ optimizer classes.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch.optim import adam as _adam, sgd as _sgd
@@ -91,6 +92,9 @@ def _group_const(kind: str, group: dict) -> tuple:
 
 # fused signature -> a small int: the key of a region's fused caches (a signature is a long tuple)
 _SIGS: dict = {}
+
+# optimizer -> the size of its state when this backward's FusedCall began (read by step())
+_STATE_AT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _has_step_hooks(opt) -> bool:
@@ -381,18 +385,40 @@ def _meta(t) -> tuple:
     return (t.dtype, t.device, tuple(t.shape), tuple(t.stride()))
 
 
-class _Template:
-    """What one plan's backward fuses of one optimizer, worked out on its first call and reused:
-    the fused sinks and their groups, the reasons of the others, the learning-rate tensors (one per
-    group, refilled when a scheduler changes the rate) and Adam's float64 step counts."""
+def _reached(plan, nodes) -> list:
+    """The leaves this call's graph accumulates into: the variables of the plan's AccumulateGrad
+    sinks, then of its live ones (hooked), in the plan's order. A plan is made per graph structure,
+    and one structure can reach different parameters on different calls (two heads on one trunk,
+    the routed experts of a mixture of experts, a GAN's alternating updates): what a template
+    fuses is bound to these, never to the plan alone."""
+    return [nodes[ai].variable for ai, _ in plan.acc_sinks] + [nodes[ai].variable for ai in plan.live_acc_bytes]
 
-    def __init__(self, opt, plan, nodes):
+
+# templates kept per plan (one per optimizer and set of parameters reached; the oldest goes first)
+_MAX_TEMPLATES = 16
+
+
+class _Template:
+    """What one plan's backward fuses of one optimizer for one set of reached parameters
+    (:func:`_reached`), worked out on the first call with that set and reused by the calls that
+    reach the same parameters with the same param groups (:meth:`holds`): the fused sinks and
+    their groups, the reasons of the others, the learning-rate tensors (one per group, refilled
+    when a scheduler changes the rate) and Adam's float64 step counts."""
+
+    def __init__(self, opt, plan, leaves, hooked):
+        import weakref
+
         self.kind = _kind(opt)
         self.plain: list = []  # (reason, number of parameters), counted on every call
         self.items: list = []  # (slot, param, group index)
         self.region = None
         self.last = None  # the last call's Fuse, reused while it holds (FusedCall._reuse)
-        self.hooked = _has_step_hooks(opt)
+        self.hooked = hooked
+        self.opt = weakref.ref(opt)
+        # what it was made for (:meth:`holds`): the reached leaves (weakly: an input that requires
+        # grad is one too), the param groups, their lists of parameters and why a group is not fused
+        self.leaves = tuple(weakref.ref(v) for v in leaves)
+        self.groups = tuple((g, g["params"], len(g["params"]), self._group_reason(g)) for g in opt.param_groups)
         kind = self.kind
         if kind is None:
             self.plain.append((f"{type(opt).__name__}: no fused update for this optimizer class", _n_params(opt)))
@@ -407,8 +433,9 @@ class _Template:
                 group_of[id(p)] = (gi, r)
         from .plan import Region
 
-        sinks = [(ai, s) for ai, s in plan.acc_sinks if id(nodes[ai].variable) in group_of]
-        hooked = sum(1 for ai in plan.live_acc_bytes if id(nodes[ai].variable) in group_of)
+        n_acc = len(plan.acc_sinks)
+        sinks = [(s, var) for (_, s), var in zip(plan.acc_sinks, leaves) if id(var) in group_of]
+        hooked = sum(1 for var in leaves[n_acc:] if id(var) in group_of)
         if hooked:  # (a hook on the parameter, DDP's reducer's included: its AccumulateGrad runs live)
             self.plain.append(("a hook on the parameter: its AccumulateGrad runs live", hooked))
         # one compiled region and nothing else: a parameter is updated at the end of the region that
@@ -418,8 +445,7 @@ class _Template:
             if sinks:
                 self.plain.append(("the backward has more than one compiled region or a live node", len(sinks)))
             return
-        for ai, s in sinks:
-            var = nodes[ai].variable
+        for s, var in sinks:
             gi, reason = group_of[id(var)]
             reason = reason or _param_reason(var)
             if reason is not None:
@@ -429,6 +455,25 @@ class _Template:
         self.region = plan.steps[0].index if self.items else None
         self.lr: dict = {}  # group index -> (its rate as last filled, the tensor)
         self.metas: dict = {}  # id(tensor) -> (tensor, _meta)
+
+    def _group_reason(self, group):
+        return _group_reason(self.kind, group) if self.kind is not None else None
+
+    def holds(self, opt, leaves, hooked) -> bool:
+        """Whether this template is the one for this call: the same optimizer with the same step
+        hooks, the same reached leaves, the same param groups with the same parameter lists."""
+        if self.opt() is not opt or self.hooked != hooked or len(self.leaves) != len(leaves):
+            return False
+        for r, v in zip(self.leaves, leaves):
+            if r() is not v:
+                return False
+        groups = opt.param_groups
+        if len(groups) != len(self.groups):
+            return False
+        for g, (g0, params, n, reason) in zip(groups, self.groups):
+            if g is not g0 or g["params"] is not params or len(params) != n or self._group_reason(g) != reason:
+                return False
+        return True
 
     def lr_tensor(self, gi, lr):
         v = float(lr)
@@ -457,31 +502,39 @@ class FusedCall:
 
     def __init__(self, opt, plan, nodes):
         self.opt = opt
+        _STATE_AT[opt] = len(opt.state)  # (the state this call makes is put in eager's order: step())
         templates = getattr(plan, "fused_templates", None)
         if templates is None:
             templates = plan.fused_templates = {}
-        tpl = templates.get(id(opt))
-        if tpl is None or tpl.opt() is not opt or tpl.hooked != _has_step_hooks(opt):
-            import weakref
-
-            tpl = templates[id(opt)] = _Template(opt, plan, nodes)
-            tpl.opt = weakref.ref(opt)
+        # the template of the parameters this call reaches: the plan is the graph's structure, and
+        # the same structure can reach other parameters (another head, other experts)
+        leaves = _reached(plan, nodes)
+        hooked = _has_step_hooks(opt)
+        key = (id(opt), *map(id, leaves))
+        tpl = templates.get(key)
+        if tpl is None or not tpl.holds(opt, leaves, hooked):
+            templates.pop(key, None)
+            while len(templates) >= _MAX_TEMPLATES:
+                del templates[next(iter(templates))]
+            tpl = templates[key] = _Template(opt, plan, leaves, hooked)
         self.tpl = tpl
         self.kind = tpl.kind
         for reason, n in tpl.plain:
             _plain(reason, n)
         self.by_region: dict = {}  # region index -> Fuse
-        self.params: list = []  # (param, whether it had state before, slot)
+        self.params: list = []  # (param, whether it had state before, whether its state dict is new, slot)
         self.reused = False  # this call's Fuse is the last call's (FusedCall._reuse)
         if tpl.items:
             f = tpl.last if tpl.last is not None and self._reuse(tpl.last) else self._fuse()
-            tpl.last = f
+            # (a Fuse that adds accumulated .grad tensors holds for its own call only)
+            tpl.last = f if f.reusable else None
             self.by_region[tpl.region] = f
 
     def _reuse(self, f) -> bool:
         """Whether the last call's Fuse holds for this one: the same state dicts and state tensors,
         the same group constants, no ``.grad`` on a fused parameter (accumulated micro-batches
-        build it anew), every parameter with its state (``had_state``). Then only the learning
+        build it anew; a Fuse built with them is never kept), every parameter with its state
+        (``had_state``). The template is already the one of the parameters this call reaches. Then only the learning
         rates are refreshed (what :meth:`_fuse` would build is the same)."""
         opt = self.opt
         state_of, groups, consts, checks = f.check
@@ -517,17 +570,12 @@ class FusedCall:
         sig = [kind]
         lr_pos: dict = {}  # group index -> position of its learning rate among the tensors
         meta = tpl.meta
-        # the state dicts made in the param groups' order, as eager's step makes them (the items
-        # come in the backward's order; opt.state's order is state_dict()["state"]'s)
-        fused_ids = {id(p) for _, p, _ in tpl.items}
-        for group in opt.param_groups:
-            if kind != "sgd" or group["momentum"] != 0:
-                for p in group["params"]:
-                    if id(p) in fused_ids and p not in opt.state:
-                        opt.state.setdefault(p, {})
+        # (the state dicts are made in the backward's order here; step() puts what this call made
+        # in the param groups' order, as eager's step makes it)
         for s, p, gi in tpl.items:
             group = opt.param_groups[gi]
-            had_state = p in opt.state and len(opt.state[p]) > 0
+            made = p not in opt.state
+            had_state = not made and len(opt.state[p]) > 0
             # (SGD without momentum keeps no state: its step never touches opt.state)
             state = opt.state[p] if (kind != "sgd" or group["momentum"] != 0) else {}
             if not had_state:
@@ -562,7 +610,7 @@ class FusedCall:
             specs.append(spec)
             slots.append((s, len(specs) - 1))
             params.append(p)
-            self.params.append((p, had_state, s))
+            self.params.append((p, had_state, made, s))
             sig.append((s, spec["const"], spec["grad_at"] is not None, spec["buf_at"] is not None,
                         tuple(meta(tensors[j]) for j in pos)))
         f = Fuse(kind, slots, specs, params)
@@ -584,7 +632,8 @@ class FusedCall:
         used = set(lr_pos)
         f.check = (opt.state, list(opt.param_groups),
                    [(_group_const(kind, g) if gi in used else None) for gi, g in enumerate(opt.param_groups)], checks)
-        f.reuse_params = [(p, True, s) for p, _, s in self.params]
+        f.reuse_params = [(p, True, False, s) for p, _, _, s in self.params]
+        f.reusable = all(spec["grad_at"] is None for spec in specs)
         return f
 
     def region_kind(self, base):
@@ -606,12 +655,14 @@ class FusedCall:
             _counters()["fused_params"] += len(params)
         if self.reused:
             return
-        for p, had_state, s in self.params:
+        for p, had_state, made, s in self.params:
             if s in updated:
                 if p.grad is not None:
                     p.grad = None
-            elif not had_state:
+            elif made:
                 self.opt.state.pop(p, None)
+            elif not had_state:  # (an empty state dict there before: eager leaves it empty)
+                self.opt.state[p].clear()
 
 
 def _n_params(opt) -> int:
@@ -750,3 +801,24 @@ def step(opt, clip_grad_norm, grad_scaler=None) -> None:
         opt.step()
     if n or _has_step_hooks(opt):  # (every grad consumed by the fused updates: nothing to set to None)
         opt.zero_grad(set_to_none=True)
+    n0 = _STATE_AT.pop(opt, None)
+    if n0 is not None:
+        _order_new_state(opt, n0)
+
+
+def _order_new_state(opt, n0: int) -> None:
+    """The state this call made (``opt.state``'s entries from the ``n0``-th on) in the param groups'
+    order, as eager's one step makes it: the fused updates make theirs in the backward's order,
+    and the plain step after them makes its own (a parameter the graph did not reach but whose
+    ``.grad`` an earlier backward left, one that is not fused). ``state_dict()["state"]`` lists
+    the entries in this order."""
+    state = opt.state
+    if len(state) - n0 < 2:
+        return
+    new = list(state)[n0:]
+    rank = {id(p): k for k, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    order = sorted(new, key=lambda p: rank.get(id(p), len(rank)))
+    if any(a is not b for a, b in zip(order, new)):
+        moved = [(p, state.pop(p)) for p in order]
+        for p, st in moved:
+            state[p] = st
