@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -13,11 +14,29 @@ PACKAGE = Path(__file__).resolve().parent  # src/vjpgen in a checkout
 GENERATED = PACKAGE / "generated"
 
 
+def _prog() -> str:
+    """How the user ran the command line: the ``vjpgen`` console script or ``python -m vjpgen``."""
+    return "vjpgen" if Path(sys.argv[0] or "").name == "vjpgen" else "python -m vjpgen"
+
+
+def _jobs(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} processes: pass 1 or more")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
+    from vjpgen import __version__
+
     p = argparse.ArgumentParser(
-        prog="python -m vjpgen",
+        prog=_prog(),
         description="Generate Python backward modules (one per autograd node class) from derivatives.yaml.",
     )
+    p.add_argument("--version", action="version", version=f"vjpgen {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (
         ("generate", "write the generated package (skipped when it is up to date, unless --force)"),
@@ -45,8 +64,16 @@ def _parser() -> argparse.ArgumentParser:
             "holding only the node classes they define, selected with vjpgen.runtime.use_kernels(DIR)",
         )
         s.add_argument("--out", type=Path, default=GENERATED, help="output folder (default: vjpgen's own generated/, %(default)s)")
-        s.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for formatting (default: %(default)s)")
+        s.add_argument("--jobs", type=_jobs, default=os.cpu_count() or 1, help="processes for formatting, 1 or more (default: %(default)s)")
         s.add_argument("-v", "--verbose", action="store_true", help="log timings")
+        if name == "check":
+            s.add_argument(
+                "--max-diff-lines",
+                type=int,
+                default=400,
+                metavar="N",
+                help="print at most N lines of the unified diff of what differs (0: none; default: %(default)s)",
+            )
         if name == "generate":
             s.add_argument("--force", action="store_true", help="regenerate even when the output is up to date")
             s.add_argument(
@@ -81,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "native":
         return _native()
     from vjpgen.codegen.errors import GenerateError
-    from vjpgen.codegen.generate import check, generate
+    from vjpgen.codegen.generate import check_diff, generate
     from vjpgen.codegen.load import Inputs, default_inputs
 
     if args.repo_overlay is None:
@@ -105,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         overlay,
         tuple(args.overlay),
     )
+    command = regenerate_command(args, inputs, default_inputs(data_path_default()))
     t0 = time.perf_counter()
     try:
         if args.command == "generate":
-            done = generate(args.out, inputs, jobs=args.jobs, force=args.force)
+            done = generate(args.out, inputs, jobs=args.jobs, force=args.force, command=command)
             dt = time.perf_counter() - t0
             if done.written:
                 print(f"vjpgen: wrote {done.modules} node modules to {args.out} ({dt:.1f}s)")
@@ -117,20 +145,57 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_verify and not args.overlay:
                 _verify_if_other_release(args.out)
             return 0
-        differ = check(args.out, inputs, jobs=args.jobs)
+        drift = check_diff(args.out, inputs, jobs=args.jobs, command=command, max_lines=max(args.max_diff_lines, 0))
     except GenerateError as e:
         print(f"vjpgen: error: {e}", file=sys.stderr)
         return 2
+    differ = drift.files
     if differ:
+        sys.stdout.write(drift.diff)
+        if drift.omitted_lines:
+            print(f"... {drift.omitted_lines} more diff line(s) not shown (--max-diff-lines N shows more)")
+        sys.stdout.flush()
         shown = ", ".join(differ[:20]) + (f" and {len(differ) - 20} more" if len(differ) > 20 else "")
+        how = "`make generate` (python -m vjpgen generate)" if command is None else f"`{command}`"
         print(
             f"vjpgen: {args.out} differs from its inputs in {len(differ)} file(s): {shown}\n"
-            f"vjpgen: run `make generate` (python -m vjpgen generate) and commit the result",
+            f"vjpgen: run {how} and commit the result",
             file=sys.stderr,
         )
         return 1
     print(f"vjpgen: {args.out} matches its inputs ({time.perf_counter() - t0:.1f}s)")
     return 0
+
+
+def data_path_default() -> Path:
+    from vjpgen.codegen.environment import data_path
+
+    return data_path("derivatives.yaml")
+
+
+def regenerate_command(args: argparse.Namespace, inputs, defaults) -> str | None:
+    """The command line that regenerates the package ``args`` name (inputs and ``--out`` as given,
+    options left at their defaults left out); None for the default package (``make generate``).
+    Stamped in the package's headers and printed by ``check``."""
+    parts = ["python", "-m", "vjpgen", "generate"]
+    for flag, given, default in (
+        ("--derivatives", inputs.derivatives, defaults.derivatives),
+        ("--native-functions", inputs.native_functions, defaults.native_functions),
+        ("--tags", inputs.tags, defaults.tags),
+    ):
+        if Path(given).resolve() != Path(default).resolve():
+            parts += [flag, str(given)]
+    if args.repo_overlay is not None and (
+        inputs.overlay is None or Path(inputs.overlay).resolve() != Path(defaults.overlay).resolve()
+    ):
+        parts += ["--repo-overlay", args.repo_overlay]
+    for o in args.overlay:
+        parts += ["--overlay", str(o)]
+    if args.out.resolve() != GENERATED.resolve():
+        parts += ["--out", str(args.out)]
+    if len(parts) == 4:
+        return None
+    return shlex.join(parts)
 
 
 def _verify_if_other_release(out: Path) -> None:

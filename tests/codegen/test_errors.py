@@ -46,13 +46,17 @@ def test_bad_overlay(case, tmp_path, capsys):
     overlay.write_text(text)
     out = tmp_path / "out"
     out.mkdir()
+    # a (stand-in) vjpgen package, which generate may replace: the bad YAML must leave it as it is
+    manifest = '{"files": {"sentinel.py": "0"}, "fingerprint": "0", "generator": "vjpgen"}\n'
+    (out / "_manifest.json").write_text(manifest)
     (out / "sentinel.py").write_text("KEEP = 1\n")
     rc = main(["generate", "--overlay", str(overlay), "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2
     assert len(err.strip().splitlines()) == 1, err
     assert re.search(pattern, err), err
-    assert sorted(p.name for p in out.iterdir()) == ["sentinel.py"]  # untouched
+    assert sorted(p.name for p in out.iterdir()) == ["_manifest.json", "sentinel.py"]  # untouched
+    assert (out / "sentinel.py").read_text() == "KEEP = 1\n" and (out / "_manifest.json").read_text() == manifest
     assert not list(tmp_path.glob(".out.*"))  # no temp folder left behind
 
 

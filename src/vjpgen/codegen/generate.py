@@ -6,11 +6,12 @@ since they were written) is left alone, and black's output is cached by content 
 
 from __future__ import annotations
 
-import filecmp
+import difflib
 import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -21,7 +22,7 @@ from typing import NamedTuple
 from .environment import cache_root, installed_torch_version
 from .errors import GenerateError
 from .load import Inputs, load
-from .render import render_index, render_module
+from .render import DEFAULT_COMMAND, origin, render_index, render_module
 
 log = logging.getLogger("vjpgen.codegen")
 
@@ -71,14 +72,64 @@ def fingerprint(inputs: Inputs, torch_version: str) -> str:
     return h.hexdigest()
 
 
-def _up_to_date(out: Path, fp: str) -> bool:
+def _read_manifest(out: Path) -> dict | None:
+    """``out``'s manifest if it is a vjpgen package's (None otherwise)."""
     try:
         manifest = json.loads((out / MANIFEST).read_text())
     except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None
+    # "generator" since issue 47; a manifest written before it is recognised by its two keys
+    if manifest.get("generator", "vjpgen") != "vjpgen" or not isinstance(manifest.get("fingerprint"), str):
+        return None
+    return manifest
+
+
+# written next to the modules by vjpgen itself (the verify pass, Python's byte-code cache)
+_PACKAGE_EXTRAS = {MANIFEST, "verify.json", "__pycache__"}
+
+
+def refusal(out: Path) -> str | None:
+    """Why ``generate`` must not write at ``out`` (None: it may). It writes only into a missing
+    folder, an empty one, or one that holds a vjpgen package and nothing else (its manifest names
+    every file), because writing replaces the whole folder."""
+    where = f"--out {out}"
+    rule = "vjpgen writes only into a missing folder, an empty one, or a vjpgen package"
+    if out.is_symlink():
+        return f"{where} is a symbolic link (to {os.readlink(out)}); {rule}: pass a real folder; nothing was written"
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"{where} is a file, not a folder; {rule}: pick another --out; nothing was written"
+    try:
+        names = sorted(os.listdir(out))
+    except OSError as e:
+        return f"{where} cannot be listed ({e.strerror or e}); nothing was written"
+    if not [n for n in names if n != "__pycache__"]:
+        return None
+    manifest = _read_manifest(out)
+    if manifest is None:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return (
+            f"{where} holds files and no vjpgen package ({shown}); {rule}: pick another --out or empty it "
+            f"yourself; nothing was written"
+        )
+    extra = [n for n in names if n not in manifest["files"] and n not in _PACKAGE_EXTRAS]
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        return (
+            f"{where} holds a vjpgen package and files that are not part of it ({shown}); regenerating would "
+            f"delete them: move them out of the package; nothing was written"
+        )
+    return None
+
+
+def _up_to_date(out: Path, fp: str) -> bool:
+    manifest = _read_manifest(out)
+    if manifest is None or out.is_symlink() or manifest.get("fingerprint") != fp:
         return False
-    if manifest.get("fingerprint") != fp:
-        return False
-    files = manifest.get("files", {})
+    files = manifest["files"]
     present = {p.name for p in out.glob("*.py")}
     if present != set(files):
         return False
@@ -157,13 +208,25 @@ def format_all(sources: dict[str, str], jobs: int) -> dict[str, str]:
 _BUILT: dict[str, dict[str, str]] = {}  # fingerprint → files, so check + generate in one process build once
 
 
-def build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
-    """Render every output file (name → text) from the inputs; raises GenerateError."""
+def build_files(inputs: Inputs, jobs: int, command: str | None = None) -> dict[str, str]:
+    """Render every output file (name → text) from the inputs; raises GenerateError. ``command``:
+    see :func:`generate` (only the first line of each file depends on it)."""
     fp = fingerprint(inputs, installed_torch_version())
     if fp not in _BUILT:
         _BUILT.clear()
         _BUILT[fp] = _build_files(inputs, jobs)
-    return dict(_BUILT[fp])
+    files = dict(_BUILT[fp])
+    if command is not None:
+        files = {name: _stamp_command(text, command) for name, text in files.items()}
+    return files
+
+
+def _stamp_command(text: str, command: str) -> str:
+    first, sep, rest = text.partition("\n")
+    default = f"run `{DEFAULT_COMMAND}`."
+    if not (first.startswith("# @generated") and first.endswith(default)):
+        raise RuntimeError(f"vjpgen: a generated file's first line is not the stamp the template writes: {first!r}")
+    return first[: -len(default)] + f"run `{command}`." + sep + rest
 
 
 def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
@@ -196,8 +259,11 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
         raise GenerateError("two node classes map to the same module name")
     torch_names.save()
     sha = inputs_sha256(inputs)
+    where = origin(inputs.user_overlays)
     raw = {
-        f"{s.module}.py": render_module(s, version, entry_sha256(loaded.entries[s.name], s.schema, version))
+        f"{s.module}.py": render_module(
+            s, version, entry_sha256(loaded.entries[s.name], s.schema, version), origin=where
+        )
         for s in specs
     }
     if inputs.user_overlays:
@@ -210,7 +276,7 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
             )
         specs = [s for s in specs if s.name in loaded.user_classes]
         raw = {f"{s.module}.py": raw[f"{s.module}.py"] for s in specs}
-    raw["__init__.py"] = render_index(specs, version, sha, overrides=bool(inputs.user_overlays))
+    raw["__init__.py"] = render_index(specs, version, sha, overrides=bool(inputs.user_overlays), origin=where)
     t2 = time.perf_counter()
     files = format_all(raw, jobs)
     t3 = time.perf_counter()
@@ -232,19 +298,42 @@ def _check_override(spec, entry, upstream_saved: set[str] | None) -> None:
             )
 
 
+def _new_folder(parent: Path, prefix: str) -> Path:
+    """A new, uniquely named folder in ``parent``, made as ``mkdir`` makes one (the umask decides its
+    mode; ``tempfile.mkdtemp`` would make it 0700, and the package would keep that mode)."""
+    while True:
+        p = parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            p.mkdir()
+            return p
+        except FileExistsError:
+            continue
+
+
 def _write_atomic(out: Path, files: dict[str, str], fp: str) -> None:
-    """Write all files to a sibling temp folder, then swap it in; a failure leaves ``out`` as it was."""
-    out = out.resolve()
+    """Write all files to a sibling temp folder, then swap it in; a failure leaves ``out`` as it was.
+    Refuses (GenerateError, nothing touched) unless ``out`` is missing, empty or a vjpgen package."""
+    why = refusal(out)
+    if why:
+        raise GenerateError(why)
+    out = Path(os.path.abspath(out))  # '.' and '..' spelled out; symlinks were refused
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    tmp = _new_folder(out.parent, f".{out.name}.new-")
     try:
         for name, text in files.items():
             (tmp / name).write_text(text)
-        manifest = {"fingerprint": fp, "files": {n: _sha256(t.encode()) for n, t in sorted(files.items())}}
+        manifest = {
+            "generator": "vjpgen",
+            "fingerprint": fp,
+            "files": {n: _sha256(t.encode()) for n, t in sorted(files.items())},
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=0, sort_keys=True) + "\n")
+        why = refusal(out)  # again, right before the swap: nothing that appeared meanwhile is lost
+        if why:
+            raise GenerateError(why)
         old = None
         if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
             out.rename(old)
         tmp.rename(out)
         if old is not None:
@@ -262,29 +351,69 @@ class Generated(NamedTuple):
     written: bool
 
 
-def generate(out: Path, inputs: Inputs, jobs: int = 2, force: bool = False) -> Generated:
-    """Regenerate ``out`` unless it is up to date (``force`` regenerates anyway). Raises
-    GenerateError. Logs, never prints (the command line prints)."""
+def generate(out: Path, inputs: Inputs, jobs: int = 2, force: bool = False, command: str | None = None) -> Generated:
+    """Regenerate ``out`` unless it is up to date (``force`` regenerates anyway). ``command``: the
+    command line that regenerates this package, stamped in its headers (None: ``make generate``,
+    the default package's). Raises GenerateError, also when ``out`` is neither missing, empty nor a
+    vjpgen package (nothing is touched then). Logs, never prints (the command line prints)."""
+    why = refusal(out)
+    if why:
+        raise GenerateError(why)
     version = installed_torch_version()
-    fp = fingerprint(inputs, version)
+    fp = _output_fingerprint(inputs, version, command)
     if not force and _up_to_date(out, fp):
-        n = len(json.loads((out / MANIFEST).read_text())["files"]) - 1
+        n = len(_read_manifest(out)["files"]) - 1
         log.debug("vjpgen: %s is up to date (%d node modules)", out, n)
         return Generated(n, False)
-    files = build_files(inputs, jobs)
+    files = build_files(inputs, jobs, command)
     _write_atomic(out, files, fp)
     n = len(files) - 1
     log.info("vjpgen: wrote %d node modules to %s", n, out)
     return Generated(n, True)
 
 
-def check(out: Path, inputs: Inputs, jobs: int = 2) -> list[str]:
-    """Regenerate into a temp folder and compare with ``out``; returns the differing file names."""
-    files = build_files(inputs, jobs)
-    with tempfile.TemporaryDirectory(prefix="vjpgen-check-") as td:
-        for name, text in files.items():
-            Path(td, name).write_text(text)
-        want = set(files)
-        have = {p.name for p in out.glob("*.py")} if out.exists() else set()
-        differ = sorted((want ^ have) | {n for n in want & have if not filecmp.cmp(Path(td, n), out / n, shallow=False)})
-    return differ
+def _output_fingerprint(inputs: Inputs, version: str, command: str | None) -> str:
+    fp = fingerprint(inputs, version)
+    return fp if command is None else _sha256(f"{fp}\0{command}".encode())
+
+
+class Drift(NamedTuple):
+    """What :func:`check_diff` found: the differing file names, a unified diff of them (at most
+    ``max_lines`` lines) and how many diff lines it left out."""
+
+    files: list[str]
+    diff: str
+    omitted_lines: int
+
+
+def check(out: Path, inputs: Inputs, jobs: int = 2, command: str | None = None) -> list[str]:
+    """Regenerate into memory and compare with ``out``; returns the differing file names."""
+    return check_diff(out, inputs, jobs, command, max_lines=0).files
+
+
+def check_diff(out: Path, inputs: Inputs, jobs: int = 2, command: str | None = None, max_lines: int = 200) -> Drift:
+    """:func:`check` with a unified diff (``a/`` is ``out`` as it is, ``b/`` what generating writes),
+    cut after ``max_lines`` lines."""
+    files = build_files(inputs, jobs, command)
+    have = {p.name for p in out.glob("*.py")} if out.is_dir() else set()
+    lines: list[str] = []
+    differ = []
+    for name in sorted(set(files) | have):
+        try:
+            old = (out / name).read_text() if name in have else None
+        except (OSError, UnicodeDecodeError):
+            old = ""
+        new = files.get(name)
+        if old == new:
+            continue
+        differ.append(name)
+        if max_lines:
+            lines += difflib.unified_diff(
+                (old or "").splitlines(keepends=True),
+                (new or "").splitlines(keepends=True),
+                fromfile=f"a/{name}" if old is not None else "/dev/null",
+                tofile=f"b/{name}" if new is not None else "/dev/null",
+            )
+    lines = [ln if ln.endswith("\n") else ln + "\n\\ No newline at end of file\n" for ln in lines]
+    shown = lines[:max_lines]
+    return Drift(differ, "".join(shown), len(lines) - len(shown))
