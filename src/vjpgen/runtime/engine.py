@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from . import capture, decide, disk_cache, fastpath
+from . import capture, decide, disk_cache, fastpath, kernels
 from .. import native
 from . import saved as _saved
 from .cache import Compiled, find, guard_from_expr, make_guard
@@ -284,7 +284,11 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
                 g = outs[j]
                 if g is None:
                     continue
-                g = validate(g, shape, dtype, device, f"for input {nr} of {infos[d].name}")
+                try:
+                    g = validate(g, shape, dtype, device,
+                                 f"at index {j} returned by {info.name} (for input {nr} of {infos[d].name})")
+                except RuntimeError as e:  # eager names the node that returned it; so do we, and its formula
+                    raise RuntimeError(f"{e}; its kernel: {kernels.source_of(info.module, j)}") from None
                 bufs[s] = acc(bufs.get(s), g)
             tagger.tag(info.name)
             if after_node is not None:

@@ -64,6 +64,30 @@ def get_module(name: str):
     return _default_get_module(name)
 
 
+def source_of(module, index: int | None = None) -> str:
+    """Where a node's kernel comes from, for errors and ``explain()``: its package (vjpgen's default
+    package, or an override package's folder), its module file and the derivatives.yaml entry it is
+    generated from; for an override, the overlay ``file:line`` of the formula that computes grad
+    ``index`` (an edge of ``next_functions``; all of the overlay's lines when not given)."""
+    name = getattr(module, "__name__", "?")
+    pkg_name = name.rpartition(".")[0]
+    file = Path(getattr(module, "__file__", None) or "?")
+    pkg = sys.modules.get(pkg_name)
+    if pkg is not None and getattr(pkg, "OVERRIDES", False):
+        out = f"override package {file.parent} ({file.name})"
+    else:
+        out = f"package {pkg_name} ({file.name})"
+    overlay = getattr(module, "OVERLAY", None)
+    if overlay:
+        ranges = getattr(module, "_RANGES", None)  # absent for a node with a Tensor[] input
+        inp = module.INPUTS[index] if index is not None and ranges is not None and index < len(module.INPUTS) else None
+        if inp in overlay:
+            return f"{out}, formula for {inp!r} at {overlay[inp]}"
+        return f"{out}, overlay formulas at {', '.join(sorted(set(overlay.values())))}"
+    src = getattr(module, "SOURCE", None)
+    return f"{out}, entry at {src}" if src else out
+
+
 def token() -> int:
     """Changes whenever the selection changes: caches keyed by it never reuse another package's kernel."""
     return _token
