@@ -6,6 +6,7 @@ since they were written) is left alone, and black's output is cached by content 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -260,12 +261,6 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
     torch_names.save()
     sha = inputs_sha256(inputs)
     where = origin(inputs.user_overlays)
-    raw = {
-        f"{s.module}.py": render_module(
-            s, version, entry_sha256(loaded.entries[s.name], s.schema, version), origin=where
-        )
-        for s in specs
-    }
     if inputs.user_overlays:
         # an override package: only the classes the user's overlays define (the runtime consults it
         # first and the default package for every other class; see vjpgen.runtime.kernels)
@@ -274,14 +269,28 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
                 f"{', '.join(map(str, inputs.user_overlays))}: no entry defines a backward node class of torch "
                 f"{version}; nothing to generate"
             )
-        specs = [s for s in specs if s.name in loaded.user_classes]
-        raw = {f"{s.module}.py": raw[f"{s.module}.py"] for s in specs}
+        specs = [_with_overlay(s, loaded.overridden[s.name]) for s in specs if s.name in loaded.user_classes]
+    raw = {
+        f"{s.module}.py": render_module(
+            s, version, entry_sha256(loaded.entries[s.name], s.schema, version), origin=where
+        )
+        for s in specs
+    }
     raw["__init__.py"] = render_index(specs, version, sha, overrides=bool(inputs.user_overlays), origin=where)
     t2 = time.perf_counter()
     files = format_all(raw, jobs)
     t3 = time.perf_counter()
     log.info("load %.2fs, translate+render %.2fs, format %.2fs", t1 - t0, t2 - t1, t3 - t2)
     return files
+
+
+def _with_overlay(spec, entry):
+    """``spec`` with where each input's formula is written in the user's overlay (``OVERLAY``)."""
+    where = []
+    for f in spec.formulas:
+        loc = f"{entry.file}:{entry.line_of(', '.join(f.var_names))}"
+        where += [(name, loc) for name in f.var_names]
+    return dataclasses.replace(spec, overlay=tuple(where))
 
 
 def _check_override(spec, entry, upstream_saved: set[str] | None) -> None:

@@ -57,6 +57,8 @@ class NodeSpec:
     source: str  # "file:line" of the derivatives.yaml entry
     overridden: bool  # replaced by the repo's derivatives.yaml
     meta_inputs: tuple[int, ...] = ()  # inputs whose edge metadata get_state reads (as meta<k>)
+    # an override package's module: (input name, "file:line" of its formula in the user's overlay)
+    overlay: tuple[tuple[str, str], ...] = ()
 
     @property
     def has_lists(self) -> bool:

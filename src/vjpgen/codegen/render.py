@@ -31,6 +31,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["pyrepr"] = repr
     env.filters["pytuple"] = _pytuple
+    env.filters["pydict"] = lambda pairs: "{" + ", ".join(f"{k!r}: {v!r}" for k, v in pairs) + "}"
     return env
 
 

@@ -1,0 +1,93 @@
+"""A wrong override (issue 47, deliverable 3): the grad its kernel returns is checked where eager's
+``validate_outputs`` checks it, and the error names the node that returned it, the kernel package
+and the overlay ``file:line`` of the formula, not the node the grad flows into."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import vjpgen.runtime as rt
+from vjpgen.__main__ import main
+
+BAD = """\
+# round with a formula of the wrong shape
+- name: round(Tensor self) -> Tensor
+  self: grad.sum()
+  result: auto_element_wise
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_kernels(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    overlay = root / "bad_round.yaml"
+    overlay.write_text(BAD)
+    out = root / "bad_kernels"
+    assert main(["generate", "--overlay", str(overlay), "--out", str(out)]) == 0
+    return overlay, out
+
+
+class _SumBackward(torch.autograd.Function):
+    """Eager's reference: a node whose backward returns the same wrong-shaped grad."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.sum()
+
+
+def _eager_message(leaf: bool) -> str:
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3)
+    with pytest.raises(RuntimeError) as e:
+        (_SumBackward.apply(x if leaf else x * 3) * w).sum().backward()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("entry", ["compiled_autograd", "backward", "grad"])
+@pytest.mark.parametrize("leaf", [False, True])
+def test_bad_override_is_named_at_its_overlay_line(bad_kernels, entry, leaf):
+    overlay, out = bad_kernels
+    eager = _eager_message(leaf)
+    # eager's own words for the same bad grad: the shapes it compares
+    got, want = re.search(r"got (\[.*?\]) but expected shape compatible with (\[.*?\])", eager).groups()
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+    with rt.use_kernels(out):
+        loss = (torch.round(x if leaf else x * 3) * w).sum()
+        with pytest.raises(RuntimeError) as e:
+            if entry == "compiled_autograd":
+                with rt.compiled_autograd(backend="eager"):
+                    loss.backward()
+            elif entry == "backward":
+                rt.backward(loss, backend="eager")
+            else:
+                rt.grad(loss, [x], backend="eager")
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1, msg
+    assert "returned by RoundBackward0" in msg and "at index 0" in msg, msg
+    assert f"got shape {got} but expected shape compatible with {want}" in msg, msg
+    # the kernel package and the formula's line in the overlay (line 3: `self: grad.sum()`)
+    assert f"override package {out} (round_backward0.py)" in msg, msg
+    assert BAD.splitlines()[2].strip() == "self: grad.sum()"
+    assert msg.endswith(f"formula for 'self' at {overlay}:3"), msg
+
+
+def test_default_kernel_source_names_its_entry():
+    from vjpgen.generated import get_module
+    from vjpgen.runtime.kernels import source_of
+
+    m = get_module("MulBackward0")
+    src = source_of(m, 0)
+    assert src.startswith("package vjpgen.generated (mul_backward0.py), entry at derivatives.yaml:")
+    # the line named is the repo overlay's entry of mul.Tensor
+    from vjpgen.codegen.environment import data_path
+
+    line = int(re.search(r"derivatives\.yaml:(\d+)", src)[1])
+    assert data_path("derivatives.yaml").read_text().splitlines()[line - 1].startswith("- name: mul.Tensor(")
