@@ -20,6 +20,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("grad_output_sym_argsize_minus_1", "grad_output_sym_argsize_minus_2", "self_info")
 SCHEMA = ("SymInt", "SymInt", "TypeAndSize")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2469"
 _RANGES = (
     range(0, 1),
     range(1, 2),

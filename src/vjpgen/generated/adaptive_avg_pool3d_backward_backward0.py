@@ -25,6 +25,8 @@ SAVED = (
 )
 SCHEMA = ("SymInt", "SymInt", "SymInt", "TypeAndSize")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2474"
 _RANGES = (
     range(0, 1),
     range(1, 2),

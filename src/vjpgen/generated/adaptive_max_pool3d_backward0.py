@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("self", "result1")
 SCHEMA = ("Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2352"
 _RANGES = (range(0, 1),)
 
 

@@ -21,6 +21,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("indices", "self_info")
 SCHEMA = ("Tensor", "TypeAndSize")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2484"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -22,6 +22,8 @@ INPUTS = ("self", "other")
 SAVED = ("alpha", "other_scalar_type", "self_scalar_type")
 SCHEMA = ("Scalar", "ScalarType", "ScalarType")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:229"
 _RANGES = (
     range(0, 1),
     range(1, 2),

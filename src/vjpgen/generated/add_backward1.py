@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("self_scalar_type",)
 SCHEMA = ("ScalarType",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:234"
 _RANGES = (range(0, 1),)
 
 

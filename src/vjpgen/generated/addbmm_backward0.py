@@ -27,6 +27,8 @@ SAVED = (
 )
 SCHEMA = ("Scalar", "Tensor", "SymInt", "SymInt", "Tensor", "SymInt", "Scalar")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:238"
 _RANGES = (
     range(0, 1),
     range(1, 2),

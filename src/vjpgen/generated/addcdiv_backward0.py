@@ -31,6 +31,8 @@ SAVED = (
 )
 SCHEMA = ("ScalarType", "Tensor", "ScalarType", "Tensor", "ScalarType", "Scalar")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:244"
 _RANGES = (
     range(0, 1),
     range(1, 2),

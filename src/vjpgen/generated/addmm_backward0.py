@@ -45,6 +45,8 @@ SCHEMA = (
     "SymInt[]",
 )
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:256"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -19,6 +19,8 @@ INPUTS = ("self", "mat", "vec")
 SAVED = ("alpha", "beta", "mat", "vec")
 SCHEMA = ("Scalar", "Scalar", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:267"
 _RANGES = (
     range(0, 1),
     range(1, 2),

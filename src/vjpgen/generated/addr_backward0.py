@@ -19,6 +19,8 @@ INPUTS = ("self", "vec1", "vec2")
 SAVED = ("alpha", "beta", "vec1", "vec2")
 SCHEMA = ("Scalar", "Scalar", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:273"
 _RANGES = (
     range(0, 1),
     range(1, 2),

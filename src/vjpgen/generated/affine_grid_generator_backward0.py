@@ -16,6 +16,8 @@ INPUTS = ("theta",)
 SAVED = ("align_corners", "size")
 SCHEMA = ("bool", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:279"
 _RANGES = (range(0, 1),)
 
 

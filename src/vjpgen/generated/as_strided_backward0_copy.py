@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("self_geometry", "size", "storage_offset", "stride")
 SCHEMA = ("TensorGeometry", "SymInt[]", "SymInt?", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:0"
 _RANGES = (range(0, 1),)
 
 

@@ -22,6 +22,8 @@ INPUTS = ("self", "src")
 SAVED = ("self_geometry", "size", "src_geometry", "storage_offset", "stride")
 SCHEMA = ("TensorGeometry", "SymInt[]", "TensorGeometry", "SymInt?", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1596"
 _RANGES = (
     range(0, 1),
     range(1, 2),

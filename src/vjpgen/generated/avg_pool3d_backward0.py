@@ -24,6 +24,8 @@ SAVED = (
 )
 SCHEMA = ("bool", "bool", "int?", "int[]", "int[]", "Tensor", "int[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2361"
 _RANGES = (range(0, 1),)
 
 

@@ -28,6 +28,8 @@ SAVED = (
 )
 SCHEMA = ("bool", "bool", "int?", "int[]", "int[]", "TypeAndSize", "int[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2494"
 _RANGES = (
     range(0, 1),
     range(1, 2),

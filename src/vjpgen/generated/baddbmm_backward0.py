@@ -19,6 +19,8 @@ INPUTS = ("self", "batch1", "batch2")
 SAVED = ("alpha", "batch1", "batch2", "beta")
 SCHEMA = ("Scalar", "Tensor", "Tensor", "Scalar")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:359"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -29,6 +29,8 @@ SAVED = (
 )
 SCHEMA = ("float", "Tensor", "Tensor?", "Tensor?", "Tensor?", "Tensor", "Tensor", "Tensor", "bool")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1312"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -20,6 +20,8 @@ INPUTS = ("self", "p")
 SAVED = ("p_info",)
 SCHEMA = ("TypeAndSize",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:369"
 _RANGES = (
     range(0, 1),
     range(1, 2),

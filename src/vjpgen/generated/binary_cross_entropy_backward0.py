@@ -18,6 +18,8 @@ INPUTS = ("self", "target")
 SAVED = ("reduction", "self", "target", "weight")
 SCHEMA = ("int", "Tensor", "Tensor", "Tensor?")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2021"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -23,6 +23,8 @@ INPUTS = ("grad_output", "self", "target")
 SAVED = ("grad_output", "reduction", "self", "target", "weight")
 SCHEMA = ("Tensor", "int", "Tensor", "Tensor", "Tensor?")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2029"
 _RANGES = (
     range(0, 1),
     range(1, 2),

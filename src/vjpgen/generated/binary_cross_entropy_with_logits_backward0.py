@@ -21,6 +21,8 @@ INPUTS = ("self", "target")
 SAVED = ("pos_weight", "reduction", "self", "target", "weight")
 SCHEMA = ("Tensor?", "int", "Tensor", "Tensor", "Tensor?")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2037"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -21,6 +21,8 @@ INPUTS = ("tensors",)
 SAVED = ("tensors_size_", "tensors_args_scalartypes", "tensors_args_sizes")
 SCHEMA = ("size_t", "ScalarType[]", "int[][]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:564"
 _INPUT_IS_LIST = (True,)
 
 

@@ -21,6 +21,8 @@ INPUTS = ("tensors",)
 SAVED = ("tensors_size_", "dim", "tensors_args_scalartypes", "tensors_args_sizes_symint")
 SCHEMA = ("size_t", "int", "ScalarType[]", "SymInt[][]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:386"
 _INPUT_IS_LIST = (True,)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ()
 SCHEMA = ()
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:390"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("x1", "x2")
 SAVED = ("p", "x1", "x2", "result")
 SCHEMA = ("float", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1358"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -20,6 +20,8 @@ INPUTS = ("grad", "x1", "x2", "cdist")
 SAVED = ()
 SCHEMA = ()
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1362"
 _RANGES = (
     range(0, 1),
     range(1, 2),

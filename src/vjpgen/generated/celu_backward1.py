@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("alpha", "result")
 SCHEMA = ("Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2143"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("groups",)
 SCHEMA = ("SymInt",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2335"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("self", "upper", "result")
 SCHEMA = ("Tensor", "bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:417"
 _RANGES = (range(0, 1),)
 
 

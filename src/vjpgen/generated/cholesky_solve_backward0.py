@@ -17,6 +17,8 @@ INPUTS = ("self", "input2")
 SAVED = ("input2", "self", "upper", "result")
 SCHEMA = ("Tensor", "Tensor", "bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:413"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("chunks", "dim", "self")
 SCHEMA = ("int", "int", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:401"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("max", "min", "self")
 SCHEMA = ("Scalar?", "Scalar?", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:428"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("max", "self")
 SCHEMA = ("Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:441"
 _RANGES = (range(0, 1),)
 
 

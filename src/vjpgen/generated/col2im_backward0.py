@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dilation", "kernel_size", "padding", "stride")
 SCHEMA = ("int[]", "int[]", "int[]", "int[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2461"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("pad",)
 SCHEMA = ("SymInt[]",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2017"
 _RANGES = (range(0, 1),)
 
 

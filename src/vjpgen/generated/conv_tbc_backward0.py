@@ -16,6 +16,8 @@ INPUTS = ("self", "weight", "bias")
 SAVED = ("bias", "pad", "self", "weight")
 SCHEMA = ("Tensor", "int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:541"
 _RANGES = (
     range(0, 1),
     range(1, 2),

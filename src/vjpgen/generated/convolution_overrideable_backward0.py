@@ -25,6 +25,8 @@ SAVED = (
 )
 SCHEMA = ("SymInt[]", "SymInt", "Tensor", "SymInt[]", "SymInt[]", "SymInt[]", "bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2428"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("self", "result")
 SCHEMA = ("Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:498"
 _RANGES = (range(0, 1),)
 
 

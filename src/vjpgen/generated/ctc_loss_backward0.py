@@ -25,6 +25,8 @@ SAVED = (
 )
 SCHEMA = ("int", "int[]", "Tensor", "int[]", "Tensor", "bool", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:544"
 _RANGES = (range(0, 1),)
 
 

@@ -25,6 +25,8 @@ SAVED = (
 )
 SCHEMA = ("int", "Tensor", "Tensor", "Tensor", "Tensor", "bool", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:547"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("theta",)
 SAVED = ("C", "H", "N", "W")
 SCHEMA = ("int", "int", "int", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2762"
 _RANGES = (range(0, 1),)
 
 

@@ -42,6 +42,8 @@ SCHEMA = (
     "bool",
 )
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2772"
 _RANGES = (
     range(0, 1),
     range(1, 2),

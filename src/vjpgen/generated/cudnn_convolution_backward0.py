@@ -17,6 +17,8 @@ INPUTS = ("self", "weight")
 SAVED = ("dilation", "groups", "padding", "self", "stride", "weight")
 SCHEMA = ("SymInt[]", "SymInt", "SymInt[]", "Tensor", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2753"
 _RANGES = (
     range(0, 1),
     range(1, 2),

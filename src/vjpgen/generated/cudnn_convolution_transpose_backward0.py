@@ -17,6 +17,8 @@ INPUTS = ("self", "weight")
 SAVED = ("dilation", "groups", "output_padding", "padding", "self", "stride", "weight")
 SCHEMA = ("SymInt[]", "SymInt", "SymInt[]", "SymInt[]", "Tensor", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2747"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("log_probs",)
 SAVED = ("zero_infinity", "result0", "result1")
 SCHEMA = ("bool", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2744"
 _RANGES = (range(0, 1),)
 
 

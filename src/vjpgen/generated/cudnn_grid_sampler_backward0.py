@@ -16,6 +16,8 @@ INPUTS = ("self", "grid")
 SAVED = ("grid", "self")
 SCHEMA = ("Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2756"
 _RANGES = (
     range(0, 1),
     range(1, 2),

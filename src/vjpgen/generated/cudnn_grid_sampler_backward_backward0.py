@@ -17,6 +17,8 @@ INPUTS = ("self", "grid", "grad_output")
 SAVED = ("grad_output", "grid", "self")
 SCHEMA = ("Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2759"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -24,6 +24,8 @@ INPUTS = ("input", "weight", "hx", "cx", "output", "grad_output", "grad_hy", "gr
 SAVED = ("weight_size_",)
 SCHEMA = ("size_t",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2807"
 _INPUT_IS_LIST = (False, True, False, False, False, False, False, False)
 
 

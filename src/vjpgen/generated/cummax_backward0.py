@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self", "indices")
 SCHEMA = ("int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:533"
 _RANGES = (range(0, 1),)
 
 

@@ -19,6 +19,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self", "self_scalar_type", "result")
 SCHEMA = ("int", "Tensor", "ScalarType", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:525"
 _RANGES = (range(0, 1),)
 
 

@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self_scalar_type")
 SCHEMA = ("int", "ScalarType")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:529"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim1", "dim2", "offset", "self_sym_sizes")
 SCHEMA = ("int", "int", "int", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:0"
 _RANGES = (range(0, 1),)
 
 

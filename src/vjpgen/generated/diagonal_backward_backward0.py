@@ -16,6 +16,8 @@ INPUTS = ("grad_output",)
 SAVED = ("dim1", "dim2", "offset")
 SCHEMA = ("int", "int", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:576"
 _RANGES = (range(0, 1),)
 
 

@@ -20,6 +20,8 @@ INPUTS = ("self", "src")
 SAVED = ("dim1", "dim2", "offset", "src_info")
 SCHEMA = ("int", "int", "int", "TypeAndSize")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1591"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -18,6 +18,8 @@ INPUTS = ("self", "other")
 SAVED = ("other", "p", "self", "result")
 SCHEMA = ("Tensor", "Scalar", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:580"
 _RANGES = (
     range(0, 1),
     range(1, 2),

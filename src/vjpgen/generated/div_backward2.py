@@ -21,6 +21,8 @@ INPUTS = ("self", "other")
 SAVED = ("other", "rounding_mode", "self", "self_scalar_type")
 SCHEMA = ("Tensor", "str?", "Tensor", "ScalarType")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:597"
 _RANGES = (
     range(0, 1),
     range(1, 2),

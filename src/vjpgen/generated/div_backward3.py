@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("other", "rounding_mode", "self_scalar_type")
 SCHEMA = ("Scalar", "str?", "ScalarType")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:602"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("alpha", "input_scale", "scale", "self")
 SCHEMA = ("Scalar", "Scalar", "Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2131"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("alpha", "input_scale", "scale", "result")
 SCHEMA = ("Scalar", "Scalar", "Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2135"
 _RANGES = (range(0, 1),)
 
 

@@ -18,6 +18,8 @@ INPUTS = ("grad_output", "self_or_result")
 SAVED = ("alpha", "grad_output", "input_scale", "is_result", "scale", "self_or_result")
 SCHEMA = ("Scalar", "Tensor", "Scalar", "bool", "Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2499"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("weight",)
 SAVED = ("indices", "padding_idx", "scale_grad_by_freq", "sparse", "weight_sym_argsize_0")
 SCHEMA = ("Tensor", "SymInt", "bool", "bool", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2045"
 _RANGES = (range(0, 1),)
 
 

@@ -43,6 +43,8 @@ SCHEMA = (
     "Tensor",
 )
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2055"
 _RANGES = (
     range(0, 1),
     range(1, 2),

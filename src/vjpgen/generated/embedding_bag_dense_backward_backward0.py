@@ -18,6 +18,8 @@ INPUTS = ("grad", "per_sample_weights")
 SAVED = ()
 SCHEMA = ()
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2070"
 _RANGES = (
     range(0, 1),
     range(1, 2),

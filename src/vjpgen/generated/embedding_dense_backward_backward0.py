@@ -17,6 +17,8 @@ INPUTS = ("grad_output",)
 SAVED = ("indices", "padding_idx")
 SCHEMA = ("Tensor", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2050"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("x1", "x2")
 SAVED = ("x1", "x2", "result")
 SCHEMA = ("Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1355"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("self", "scale", "zero_point")
 SAVED = ("grad_factor", "quant_max", "quant_min", "scale", "self", "zero_point")
 SCHEMA = ("float", "int", "int", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:679"
 _RANGES = (
     range(0, 1),
     range(1, 2),

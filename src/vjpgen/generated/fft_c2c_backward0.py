@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "forward", "normalization")
 SCHEMA = ("SymInt[]", "bool", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2960"
 _RANGES = (range(0, 1),)
 
 

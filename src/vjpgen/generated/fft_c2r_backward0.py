@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "normalization")
 SCHEMA = ("int[]", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2956"
 _RANGES = (range(0, 1),)
 
 

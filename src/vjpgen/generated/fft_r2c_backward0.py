@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "normalization", "onesided", "self")
 SCHEMA = ("int[]", "int", "bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2952"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self", "value")
 SAVED = ()
 SCHEMA = ()
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:695"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -18,6 +18,8 @@ INPUTS = ("self", "other")
 SAVED = ("self_size_", "other_size_", "other", "self")
 SCHEMA = ("size_t", "size_t", "Tensor[]", "Tensor[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:3244"
 _INPUT_IS_LIST = (True, True)
 
 

@@ -18,6 +18,8 @@ INPUTS = ("self", "mat2")
 SAVED = ("self_size_", "mat2_size_", "mat2", "self")
 SCHEMA = ("size_t", "size_t", "Tensor[]", "Tensor[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:3285"
 _INPUT_IS_LIST = (True, True)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("self_size_", "ord", "self", "result")
 SCHEMA = ("size_t", "Scalar", "Tensor[]", "Tensor[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:3281"
 _INPUT_IS_LIST = (True,)
 
 

@@ -18,6 +18,8 @@ INPUTS = ("self", "exponent")
 SAVED = ("self_size_", "exponent_size_", "exponent", "self", "result")
 SCHEMA = ("size_t", "size_t", "Tensor[]", "Tensor[]", "Tensor[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:3249"
 _INPUT_IS_LIST = (True, True)
 
 

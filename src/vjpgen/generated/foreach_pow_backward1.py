@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("self_size_", "exponent", "self")
 SCHEMA = ("size_t", "Scalar[]", "Tensor[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:3254"
 _INPUT_IS_LIST = (True,)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("exponent",)
 SAVED = ("exponent_size_", "exponent", "self", "result")
 SCHEMA = ("size_t", "Tensor[]", "Scalar", "Tensor[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:3258"
 _INPUT_IS_LIST = (True,)
 
 

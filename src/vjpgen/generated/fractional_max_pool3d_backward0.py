@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("kernel_size", "output_size", "self", "result1")
 SCHEMA = ("int[]", "int[]", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2370"
 _RANGES = (range(0, 1),)
 
 

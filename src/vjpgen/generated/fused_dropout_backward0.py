@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("p", "result1")
 SCHEMA = ("float", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:616"
 _RANGES = (range(0, 1),)
 
 

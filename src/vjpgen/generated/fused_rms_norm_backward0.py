@@ -17,6 +17,8 @@ INPUTS = ("input", "weight")
 SAVED = ("input", "normalized_shape", "weight", "result1")
 SCHEMA = ("Tensor", "int[]", "Tensor?", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1284"
 _RANGES = (
     range(0, 1),
     range(1, 2),

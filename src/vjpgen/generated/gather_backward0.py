@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "index", "self", "sparse_grad")
 SCHEMA = ("int", "Tensor", "Tensor", "bool")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:730"
 _RANGES = (range(0, 1),)
 
 

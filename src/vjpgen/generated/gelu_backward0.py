@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("approximate", "self")
 SCHEMA = ("str", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2147"
 _RANGES = (range(0, 1),)
 
 

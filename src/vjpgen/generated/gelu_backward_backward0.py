@@ -18,6 +18,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("approximate", "grad_output", "self")
 SCHEMA = ("str", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2151"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self")
 SCHEMA = ("int", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2156"
 _RANGES = (range(0, 1),)
 
 

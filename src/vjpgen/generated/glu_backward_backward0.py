@@ -18,6 +18,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("dim", "grad_output", "self")
 SCHEMA = ("int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2514"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("input", "grid")
 SAVED = ("align_corners", "grid", "input", "interpolation_mode", "padding_mode")
 SCHEMA = ("bool", "Tensor", "Tensor", "int", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:775"
 _RANGES = (
     range(0, 1),
     range(1, 2),

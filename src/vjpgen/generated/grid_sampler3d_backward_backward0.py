@@ -17,6 +17,8 @@ INPUTS = ("grad_output", "input", "grid")
 SAVED = ("align_corners", "grad_output", "grid", "input", "interpolation_mode", "padding_mode")
 SCHEMA = ("bool", "Tensor", "Tensor", "Tensor", "int", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:778"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -42,6 +42,8 @@ SCHEMA = (
     "SymInt[]",
 )
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1223"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -21,6 +21,8 @@ INPUTS = ("self", "other")
 SAVED = ("other_info", "self_info")
 SCHEMA = ("TypeAndSize", "TypeAndSize")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:792"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -20,6 +20,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("grad_output", "self", "self_options")
 SCHEMA = ("Tensor", "Tensor", "TensorOptions")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:808"
 _RANGES = (
     range(0, 1),
     range(1, 2),

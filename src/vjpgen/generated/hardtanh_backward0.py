@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("max_val", "min_val", "self")
 SCHEMA = ("Scalar", "Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2171"
 _RANGES = (range(0, 1),)
 
 

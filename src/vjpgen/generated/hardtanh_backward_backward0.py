@@ -17,6 +17,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("max_val", "min_val", "self")
 SCHEMA = ("Scalar", "Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2519"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("self", "target")
 SAVED = ("delta", "reduction", "self", "target")
 SCHEMA = ("float", "int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2110"
 _RANGES = (
     range(0, 1),
     range(1, 2),

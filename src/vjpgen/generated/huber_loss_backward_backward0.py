@@ -19,6 +19,8 @@ INPUTS = ("grad_output", "self", "target")
 SAVED = ("delta", "grad_output", "reduction", "self", "target")
 SCHEMA = ("float", "Tensor", "int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2649"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -23,6 +23,8 @@ SAVED = (
 )
 SCHEMA = ("int[]", "int[]", "int[]", "SymInt", "SymInt", "int[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2465"
 _RANGES = (range(0, 1),)
 
 

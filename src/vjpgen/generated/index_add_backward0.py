@@ -18,6 +18,8 @@ INPUTS = ("self", "source")
 SAVED = ("alpha", "dim", "index", "source", "source_dim")
 SCHEMA = ("Scalar", "int", "Tensor", "Tensor", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:862"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("self", "source")
 SAVED = ("dim", "index", "source", "source_dim")
 SCHEMA = ("int", "Tensor", "Tensor", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:875"
 _RANGES = (
     range(0, 1),
     range(1, 2),

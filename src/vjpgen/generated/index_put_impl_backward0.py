@@ -20,6 +20,8 @@ INPUTS = ("self", "values")
 SAVED = ("accumulate", "indices", "values_info")
 SCHEMA = ("bool", "Tensor?[]", "TypeAndSize")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:905"
 _RANGES = (
     range(0, 1),
     range(1, 2),

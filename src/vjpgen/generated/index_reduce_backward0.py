@@ -17,6 +17,8 @@ INPUTS = ("self", "source")
 SAVED = ("dim", "include_self", "index", "reduce", "self", "source", "result")
 SCHEMA = ("int", "bool", "Tensor", "str", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:871"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "index", "self_sym_sizes")
 SCHEMA = ("int", "Tensor", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:910"
 _RANGES = (range(0, 1),)
 
 

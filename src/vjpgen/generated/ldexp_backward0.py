@@ -19,6 +19,8 @@ INPUTS = ("self", "other")
 SAVED = ("other", "result")
 SCHEMA = ("Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:931"
 _RANGES = (
     range(0, 1),
     range(1, 2),

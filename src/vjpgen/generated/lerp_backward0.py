@@ -17,6 +17,8 @@ INPUTS = ("self", "end")
 SAVED = ("weight",)
 SCHEMA = ("Scalar",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:945"
 _RANGES = (
     range(0, 1),
     range(1, 2),

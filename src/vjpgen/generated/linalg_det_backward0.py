@@ -17,6 +17,8 @@ INPUTS = ("A",)
 SAVED = ("A", "LU", "pivots", "result")
 SCHEMA = ("Tensor", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:554"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("input", "tau")
 SAVED = ("input", "tau", "result")
 SCHEMA = ("Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1385"
 _RANGES = (
     range(0, 1),
     range(1, 2),

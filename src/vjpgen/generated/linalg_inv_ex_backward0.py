@@ -16,6 +16,8 @@ INPUTS = ("A",)
 SAVED = ("inverse",)
 SCHEMA = ("Tensor",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:915"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self", "b")
 SAVED = ("b", "self", "solution")
 SCHEMA = ("Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1056"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("A",)
 SAVED = ("pivot", "L", "P", "U")
 SCHEMA = ("bool", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1076"
 _RANGES = (range(0, 1),)
 
 

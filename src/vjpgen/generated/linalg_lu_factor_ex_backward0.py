@@ -17,6 +17,8 @@ INPUTS = ("A",)
 SAVED = ("pivot", "LU", "pivots")
 SCHEMA = ("bool", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1071"
 _RANGES = (range(0, 1),)
 
 

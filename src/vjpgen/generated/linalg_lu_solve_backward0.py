@@ -18,6 +18,8 @@ INPUTS = ("LU", "B")
 SAVED = ("LU", "adjoint", "left", "pivots", "result")
 SCHEMA = ("Tensor", "bool", "bool", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1082"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("A",)
 SAVED = ("mode", "Q", "R")
 SCHEMA = ("str", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1427"
 _RANGES = (range(0, 1),)
 
 

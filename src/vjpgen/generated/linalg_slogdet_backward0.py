@@ -17,6 +17,8 @@ INPUTS = ("A",)
 SAVED = ("A", "LU", "pivots", "sign")
 SCHEMA = ("Tensor", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:559"
 _RANGES = (range(0, 1),)
 
 

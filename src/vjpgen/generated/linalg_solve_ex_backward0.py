@@ -17,6 +17,8 @@ INPUTS = ("A", "B")
 SAVED = ("A", "left", "LU", "pivots", "result")
 SCHEMA = ("Tensor", "bool", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1602"
 _RANGES = (
     range(0, 1),
     range(1, 2),

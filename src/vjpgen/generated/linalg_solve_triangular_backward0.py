@@ -17,6 +17,8 @@ INPUTS = ("self", "B")
 SAVED = ("left", "self", "unitriangular", "upper", "result")
 SCHEMA = ("bool", "Tensor", "bool", "bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1801"
 _RANGES = (
     range(0, 1),
     range(1, 2),

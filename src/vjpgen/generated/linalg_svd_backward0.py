@@ -17,6 +17,8 @@ INPUTS = ("A",)
 SAVED = ("full_matrices", "S", "S_sym_argsize_minus_1", "U", "Vh")
 SCHEMA = ("bool", "Tensor", "SymInt", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1726"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "keepdim", "ord", "self", "result")
 SCHEMA = ("int[]?", "bool", "Scalar", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1343"
 _RANGES = (range(0, 1),)
 
 

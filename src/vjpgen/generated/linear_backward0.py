@@ -16,6 +16,8 @@ INPUTS = ("input", "weight", "bias")
 SAVED = ("input", "weight")
 SCHEMA = ("Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2375"
 _RANGES = (
     range(0, 1),
     range(1, 2),

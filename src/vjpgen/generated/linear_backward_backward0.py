@@ -17,6 +17,8 @@ INPUTS = ("self", "grad_output", "weight")
 SAVED = ("grad_output", "self", "weight")
 SCHEMA = ("Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2378"
 _RANGES = (
     range(0, 1),
     range(1, 2),

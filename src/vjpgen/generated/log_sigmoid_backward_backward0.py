@@ -18,6 +18,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("buffer", "grad_output", "self")
 SCHEMA = ("Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2524"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -19,6 +19,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self_scalar_type", "result")
 SCHEMA = ("int", "ScalarType", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2188"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("grad_output", "output")
 SAVED = ("dim", "grad_output", "output")
 SCHEMA = ("int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2529"
 _RANGES = (
     range(0, 1),
     range(1, 2),

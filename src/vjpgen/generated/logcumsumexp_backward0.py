@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self", "result")
 SCHEMA = ("int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:521"
 _RANGES = (range(0, 1),)
 
 

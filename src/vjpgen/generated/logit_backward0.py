@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("eps", "self")
 SCHEMA = ("float?", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1541"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "keepdim", "self", "result")
 SCHEMA = ("int[]", "bool", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1052"
 _RANGES = (range(0, 1),)
 
 

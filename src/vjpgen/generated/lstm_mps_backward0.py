@@ -46,6 +46,8 @@ SCHEMA = (
     "Tensor",
 )
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2792"
 _INPUT_IS_LIST = (False, True, True)
 
 

@@ -19,6 +19,8 @@ INPUTS = ("self",)
 SAVED = ("self_info",)
 SCHEMA = ("TypeAndSize",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1062"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("LU_data",)
 SAVED = ("LU_data_sym_argsize_minus_1", "LU_data_sym_argsize_minus_2")
 SCHEMA = ("SymInt", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1087"
 _RANGES = (range(0, 1),)
 
 

@@ -18,6 +18,8 @@ INPUTS = ("self", "value")
 SAVED = ("mask",)
 SCHEMA = ("Tensor",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1099"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("self", "source")
 SAVED = ("mask", "source_sym_sizes")
 SCHEMA = ("Tensor", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1105"
 _RANGES = (
     range(0, 1),
     range(1, 2),

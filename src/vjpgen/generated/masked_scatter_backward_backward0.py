@@ -19,6 +19,8 @@ INPUTS = ("grad_output",)
 SAVED = ("grad_output_info", "mask")
 SCHEMA = ("TypeAndSize", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1111"
 _RANGES = (range(0, 1),)
 
 

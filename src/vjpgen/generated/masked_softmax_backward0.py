@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "mask", "result")
 SCHEMA = ("int?", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2195"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("ceil_mode", "dilation", "kernel_size", "padding", "self", "stride")
 SCHEMA = ("bool", "int[]", "int[]", "int[]", "Tensor", "int[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2382"
 _RANGES = (range(0, 1),)
 
 

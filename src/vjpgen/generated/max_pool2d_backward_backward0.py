@@ -21,6 +21,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("self_info",)
 SCHEMA = ("TypeAndSize",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2557"
 _RANGES = (
     range(0, 1),
     range(1, 2),

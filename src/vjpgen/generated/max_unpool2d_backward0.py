@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("indices",)
 SCHEMA = ("Tensor",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2401"
 _RANGES = (range(0, 1),)
 
 

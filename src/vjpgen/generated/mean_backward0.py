@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("self_sym_numel", "self_sym_sizes")
 SCHEMA = ("SymInt", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1143"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "keepdim", "self_sym_numel", "self_sym_sizes")
 SCHEMA = ("int[]?", "bool", "SymInt", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1153"
 _RANGES = (range(0, 1),)
 
 

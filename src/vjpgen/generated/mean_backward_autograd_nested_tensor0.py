@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("self", "self_sym_numel")
 SCHEMA = ("Tensor", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1143"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self", "other")
 SAVED = ("other", "self")
 SCHEMA = ("Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1195"
 _RANGES = (
     range(0, 1),
     range(1, 2),

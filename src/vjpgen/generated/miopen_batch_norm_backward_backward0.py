@@ -28,6 +28,8 @@ SAVED = (
 )
 SCHEMA = ("float", "Tensor", "Tensor", "Tensor?", "Tensor?", "Tensor?", "Tensor?", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2833"
 _RANGES = (
     range(0, 1),
     range(1, 2),

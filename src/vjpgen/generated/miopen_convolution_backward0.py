@@ -16,6 +16,8 @@ INPUTS = ("self", "weight", "bias")
 SAVED = ("bias_sym_sizes_opt", "dilation", "groups", "padding", "self", "stride", "weight")
 SCHEMA = ("SymInt[]?", "SymInt[]", "SymInt", "SymInt[]", "Tensor", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2823"
 _RANGES = (
     range(0, 1),
     range(1, 2),

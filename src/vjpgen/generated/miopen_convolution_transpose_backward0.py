@@ -25,6 +25,8 @@ SAVED = (
 )
 SCHEMA = ("SymInt[]?", "SymInt[]", "SymInt", "SymInt[]", "SymInt[]", "Tensor", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2820"
 _RANGES = (
     range(0, 1),
     range(1, 2),

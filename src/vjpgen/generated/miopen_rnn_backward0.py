@@ -59,6 +59,8 @@ SCHEMA = (
     "bool",
 )
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2838"
 _INPUT_IS_LIST = (False, True, False, False)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("ceil_mode", "dilation", "kernel_size", "padding", "self", "stride", "result")
 SCHEMA = ("bool", "int[]", "int[]", "int[]", "Tensor", "int[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2865"
 _RANGES = (range(0, 1),)
 
 

@@ -31,6 +31,8 @@ SAVED = (
 )
 SCHEMA = ("Tensor", "Layout", "SymInt[]", "SymInt[]", "Tensor", "Layout", "SymInt[]", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1218"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("self", "weight", "bias")
 SAVED = ("dilation", "groups", "padding", "self", "stride", "weight")
 SCHEMA = ("SymInt[]", "SymInt", "SymInt[]", "Tensor", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2385"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("self", "grad_output", "weight")
 SAVED = ("dilation", "grad_output", "groups", "padding", "self", "stride", "weight")
 SCHEMA = ("SymInt[]", "Tensor", "SymInt", "SymInt[]", "Tensor", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2388"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -19,6 +19,8 @@ INPUTS = ("grad_output", "self", "target")
 SAVED = ("grad_output", "reduction", "self", "target")
 SCHEMA = ("Tensor", "int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2574"
 _RANGES = (
     range(0, 1),
     range(1, 2),

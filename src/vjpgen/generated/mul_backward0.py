@@ -22,6 +22,8 @@ INPUTS = ("self", "other")
 SAVED = ("other", "other_scalar_type", "self", "self_scalar_type")
 SCHEMA = ("Tensor", "ScalarType", "Tensor", "ScalarType")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "derivatives.yaml:15 (repo)"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("other", "self_scalar_type")
 SCHEMA = ("Scalar", "ScalarType")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1236"
 _RANGES = (range(0, 1),)
 
 

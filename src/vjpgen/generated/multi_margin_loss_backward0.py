@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("margin", "p", "reduction", "self", "target", "weight")
 SCHEMA = ("Scalar", "Scalar", "int", "Tensor", "Tensor", "Tensor?")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2087"
 _RANGES = (range(0, 1),)
 
 

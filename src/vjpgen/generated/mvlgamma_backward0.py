@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("p", "self")
 SCHEMA = ("int", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1245"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "keepdim", "self_sym_sizes", "indices")
 SCHEMA = ("int", "bool", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1183"
 _RANGES = (range(0, 1),)
 
 

@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "keepdim", "self", "self_scalar_type")
 SCHEMA = ("int[]?", "bool", "Tensor", "ScalarType")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1721"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "length", "self_sym_sizes", "start")
 SCHEMA = ("int", "SymInt", "SymInt[]", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:3239"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("input", "weight", "bias")
 SAVED = ("eps", "input", "running_mean", "running_var", "weight", "result1", "result2")
 SCHEMA = ("float", "Tensor", "Tensor", "Tensor", "Tensor?", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1261"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -20,6 +20,8 @@ INPUTS = ("input",)
 SAVED = ("p", "train", "result1")
 SCHEMA = ("float", "bool?", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:619"
 _RANGES = (range(0, 1),)
 
 

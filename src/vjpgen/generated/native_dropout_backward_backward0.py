@@ -18,6 +18,8 @@ INPUTS = ("grad_output", "mask")
 SAVED = ("grad_output", "mask", "scale")
 SCHEMA = ("Tensor", "Tensor", "float")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:623"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -20,6 +20,8 @@ INPUTS = ("input", "weight", "bias")
 SAVED = ("C", "HxW", "N", "eps", "group", "input", "weight", "result1", "result2")
 SCHEMA = ("SymInt", "SymInt", "SymInt", "float", "int", "Tensor", "Tensor?", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1289"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("input", "weight", "bias")
 SAVED = ("bias", "input", "normalized_shape", "weight", "result1", "result2")
 SCHEMA = ("Tensor?", "Tensor", "SymInt[]", "Tensor?", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1274"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -20,6 +20,8 @@ INPUTS = ("grad_out", "input", "mean", "rstd", "weight", "bias")
 SAVED = ("grad_out", "input", "mean", "normalized_shape", "rstd", "weight")
 SCHEMA = ("Tensor", "Tensor", "Tensor", "SymInt[]", "Tensor", "Tensor?")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1278"
 _RANGES = (
     range(0, 1),
     range(1, 2),

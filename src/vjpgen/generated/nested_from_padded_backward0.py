@@ -17,6 +17,8 @@ INPUTS = ("padded",)
 SAVED = ("fuse_transform_0213", "padded")
 SCHEMA = ("bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2885"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("padded",)
 SAVED = ("padded_sym_sizes",)
 SCHEMA = ("SymInt[]",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2893"
 _RANGES = (range(0, 1),)
 
 

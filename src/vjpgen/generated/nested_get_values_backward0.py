@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("self",)
 SCHEMA = ("Tensor",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2911"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("t",)
 SAVED = ("t_sym_sizes",)
 SCHEMA = ("SymInt[]",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2881"
 _RANGES = (range(0, 1),)
 
 

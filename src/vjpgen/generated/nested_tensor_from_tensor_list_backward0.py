@@ -16,6 +16,8 @@ INPUTS = ("list",)
 SAVED = ("list_size_", "list")
 SCHEMA = ("size_t", "Tensor[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2878"
 _INPUT_IS_LIST = (True,)
 
 

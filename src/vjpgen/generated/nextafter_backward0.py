@@ -20,6 +20,8 @@ INPUTS = ("self", "other")
 SAVED = ("other", "other_info", "self")
 SCHEMA = ("Tensor", "TypeAndSize", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1322"
 _RANGES = (
     range(0, 1),
     range(1, 2),

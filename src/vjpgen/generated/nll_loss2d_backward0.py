@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("ignore_index", "reduction", "self", "target", "weight", "total_weight")
 SCHEMA = ("SymInt", "int", "Tensor", "Tensor", "Tensor?", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2100"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("ignore_index", "reduction", "target", "weight")
 SCHEMA = ("SymInt", "int", "Tensor", "Tensor?")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2583"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("input", "weight", "bias")
 SAVED = ("bias_sym_sizes_opt", "input", "padding", "stride", "weight")
 SCHEMA = ("SymInt[]?", "Tensor", "SymInt[]", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2787"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("p", "self", "result")
 SCHEMA = ("Scalar", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1327"
 _RANGES = (range(0, 1),)
 
 

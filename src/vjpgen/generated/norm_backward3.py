@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "keepdim", "p", "self", "result")
 SCHEMA = ("int[]", "bool", "Scalar?", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1339"
 _RANGES = (range(0, 1),)
 
 

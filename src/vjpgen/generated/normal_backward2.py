@@ -17,6 +17,8 @@ INPUTS = ("std",)
 SAVED = ("std_sym_sizes",)
 SCHEMA = ("SymInt[]",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1376"
 _RANGES = (range(0, 1),)
 
 

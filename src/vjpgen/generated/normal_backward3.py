@@ -18,6 +18,8 @@ INPUTS = ("mean", "std")
 SAVED = ("mean_sym_sizes", "std_sym_sizes")
 SCHEMA = ("SymInt[]", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1380"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("self", "input2", "input3")
 SAVED = ("input2", "input3", "left", "self", "transpose", "result")
 SCHEMA = ("Tensor", "Tensor", "bool", "Tensor", "bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1389"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("input",)
 SAVED = ("batch_first", "input_sym_sizes", "result1")
 SCHEMA = ("bool", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2989"
 _RANGES = (range(0, 1),)
 
 

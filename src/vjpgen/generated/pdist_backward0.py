@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("p", "self", "result")
 SCHEMA = ("float", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1347"
 _RANGES = (range(0, 1),)
 
 

@@ -19,6 +19,8 @@ INPUTS = ("grad", "self", "pdist")
 SAVED = ()
 SCHEMA = ()
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1350"
 _RANGES = (
     range(0, 1),
     range(1, 2),

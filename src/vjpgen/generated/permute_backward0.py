@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dims",)
 SCHEMA = ("int[]",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1392"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("upscale_factor",)
 SCHEMA = ("int",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2327"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("downscale_factor",)
 SCHEMA = ("int",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2331"
 _RANGES = (range(0, 1),)
 
 

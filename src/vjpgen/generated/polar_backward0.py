@@ -17,6 +17,8 @@ INPUTS = ("abs", "angle")
 SAVED = ("result",)
 SCHEMA = ("Tensor",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:473"
 _RANGES = (
     range(0, 1),
     range(1, 2),

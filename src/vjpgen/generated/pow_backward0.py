@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("exponent", "self")
 SCHEMA = ("Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1400"
 _RANGES = (range(0, 1),)
 
 

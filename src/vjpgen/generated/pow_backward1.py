@@ -18,6 +18,8 @@ INPUTS = ("self", "exponent")
 SAVED = ("exponent", "self", "result")
 SCHEMA = ("Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1404"
 _RANGES = (
     range(0, 1),
     range(1, 2),

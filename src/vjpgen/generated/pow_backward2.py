@@ -17,6 +17,8 @@ INPUTS = ("exponent",)
 SAVED = ("exponent", "self", "result")
 SCHEMA = ("Tensor", "Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1409"
 _RANGES = (range(0, 1),)
 
 

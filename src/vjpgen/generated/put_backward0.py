@@ -20,6 +20,8 @@ INPUTS = ("self", "source")
 SAVED = ("accumulate", "index", "source", "source_info")
 SCHEMA = ("bool", "Tensor", "Tensor", "TypeAndSize")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1421"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -20,6 +20,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("padding", "self_info")
 SCHEMA = ("SymInt[]", "TypeAndSize")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2609"
 _RANGES = (
     range(0, 1),
     range(1, 2),

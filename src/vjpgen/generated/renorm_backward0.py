@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "maxnorm", "p", "self")
 SCHEMA = ("int", "Scalar", "Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1460"
 _RANGES = (range(0, 1),)
 
 

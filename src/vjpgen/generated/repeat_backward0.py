@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("repeats", "self_sym_sizes")
 SCHEMA = ("SymInt[]", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1464"
 _RANGES = (range(0, 1),)
 
 

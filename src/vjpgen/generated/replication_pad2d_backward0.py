@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("padding", "self")
 SCHEMA = ("SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2267"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dims", "shifts")
 SCHEMA = ("int[]", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1758"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("lower", "noise", "training", "upper", "result")
 SCHEMA = ("Scalar", "Tensor", "bool", "Scalar", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2217"
 _RANGES = (range(0, 1),)
 
 

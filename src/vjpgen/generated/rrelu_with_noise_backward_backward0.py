@@ -17,6 +17,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("lower", "noise", "self", "training", "upper")
 SCHEMA = ("Scalar", "Tensor", "Tensor", "bool", "Scalar")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2593"
 _RANGES = (
     range(0, 1),
     range(1, 2),

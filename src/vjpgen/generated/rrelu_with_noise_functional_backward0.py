@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("lower", "noise", "self", "training", "upper")
 SCHEMA = ("Scalar", "Tensor", "Tensor", "bool", "Scalar")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2220"
 _RANGES = (range(0, 1),)
 
 

@@ -26,6 +26,8 @@ SAVED = (
 )
 SCHEMA = ("Tensor?", "float", "bool", "Tensor", "Tensor", "float?", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2927"
 _RANGES = (
     range(0, 1),
     range(1, 2),

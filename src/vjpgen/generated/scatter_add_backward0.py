@@ -17,6 +17,8 @@ INPUTS = ("self", "src")
 SAVED = ("dim", "index")
 SCHEMA = ("int", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1519"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -17,6 +17,8 @@ INPUTS = ("self", "src")
 SAVED = ("dim", "include_self", "index", "reduce", "self", "src", "result")
 SCHEMA = ("int", "bool", "Tensor", "str", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:3074"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("data",)
 SAVED = ("axis", "data", "initial", "lengths", "offsets", "reduce", "result")
 SCHEMA = ("int", "Tensor", "Scalar?", "Tensor?", "Tensor?", "str", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:3035"
 _RANGES = (range(0, 1),)
 
 

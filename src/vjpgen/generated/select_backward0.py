@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "index", "self_sym_sizes")
 SCHEMA = ("int", "SymInt", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1525"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("grad_output",)
 SAVED = ("dim", "index")
 SCHEMA = ("int", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1533"
 _RANGES = (range(0, 1),)
 
 

@@ -20,6 +20,8 @@ INPUTS = ("self", "src")
 SAVED = ("dim", "index", "src_info")
 SCHEMA = ("int", "SymInt", "TypeAndSize")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1586"
 _RANGES = (
     range(0, 1),
     range(1, 2),

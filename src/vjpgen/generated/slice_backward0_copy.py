@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "end", "self_sym_sizes", "start", "step")
 SCHEMA = ("int", "SymInt?", "SymInt[]", "SymInt?", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:0"
 _RANGES = (range(0, 1),)
 
 

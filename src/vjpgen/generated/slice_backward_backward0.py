@@ -16,6 +16,8 @@ INPUTS = ("grad_output",)
 SAVED = ("dim", "end", "start", "step")
 SCHEMA = ("int", "SymInt", "SymInt", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1572"
 _RANGES = (range(0, 1),)
 
 

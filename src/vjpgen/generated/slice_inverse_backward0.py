@@ -20,6 +20,8 @@ INPUTS = ("self", "src")
 SAVED = ("dim", "end", "self_info", "start", "step")
 SCHEMA = ("int", "SymInt?", "TypeAndSize", "SymInt?", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1576"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -20,6 +20,8 @@ INPUTS = ("self", "src")
 SAVED = ("dim", "end", "src_info", "start", "step")
 SCHEMA = ("int", "SymInt?", "TypeAndSize", "SymInt?", "SymInt")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1581"
 _RANGES = (
     range(0, 1),
     range(1, 2),

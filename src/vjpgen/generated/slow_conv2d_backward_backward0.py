@@ -16,6 +16,8 @@ INPUTS = ("grad_output", "self", "weight")
 SAVED = ("grad_output", "padding", "self", "stride", "weight")
 SCHEMA = ("Tensor", "SymInt[]", "Tensor", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2443"
 _RANGES = (
     range(0, 1),
     range(1, 2),

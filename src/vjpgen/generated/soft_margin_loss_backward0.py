@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("reduction", "self", "target")
 SCHEMA = ("int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2115"
 _RANGES = (range(0, 1),)
 
 

@@ -21,6 +21,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("grad_output", "reduction", "self", "target")
 SCHEMA = ("Tensor", "int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2664"
 _RANGES = (
     range(0, 1),
     range(1, 2),

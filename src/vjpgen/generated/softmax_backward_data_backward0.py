@@ -21,6 +21,8 @@ INPUTS = ("grad_output", "output")
 SAVED = ("dim", "grad_output", "input_dtype", "output")
 SCHEMA = ("int", "Tensor", "ScalarType", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2660"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("beta", "self", "threshold")
 SCHEMA = ("Scalar", "Tensor", "Scalar")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2235"
 _RANGES = (range(0, 1),)
 
 

@@ -18,6 +18,8 @@ INPUTS = ("grad_output", "self")
 SAVED = ("beta", "grad_output", "self", "threshold")
 SCHEMA = ("Scalar", "Tensor", "Tensor", "Scalar")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2654"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -22,6 +22,8 @@ INPUTS = ("self", "mat1", "mat2")
 SAVED = ("alpha", "beta", "mat1", "mat2", "mat2_layout", "mat2_sym_sizes", "mat2_sym_strides")
 SCHEMA = ("Scalar", "Scalar", "Tensor", "Tensor", "Layout", "SymInt[]", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:262"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("values",)
 SAVED = ("values", "result")
 SCHEMA = ("Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1979"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("values",)
 SAVED = ("result",)
 SCHEMA = ("Tensor",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1975"
 _RANGES = (range(0, 1),)
 
 

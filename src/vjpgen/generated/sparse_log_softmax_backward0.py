@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self", "result")
 SCHEMA = ("int", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2192"
 _RANGES = (range(0, 1),)
 
 

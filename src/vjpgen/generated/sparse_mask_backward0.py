@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("mask", "self_layout")
 SCHEMA = ("Tensor", "Layout")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1971"
 _RANGES = (range(0, 1),)
 
 

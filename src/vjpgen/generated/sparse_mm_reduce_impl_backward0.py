@@ -16,6 +16,8 @@ INPUTS = ("self", "other")
 SAVED = ("other", "reduce", "self", "result1")
 SCHEMA = ("Tensor", "str", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2636"
 _RANGES = (
     range(0, 1),
     range(1, 2),

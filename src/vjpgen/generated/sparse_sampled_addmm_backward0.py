@@ -17,6 +17,8 @@ INPUTS = ("self", "mat1", "mat2")
 SAVED = ("alpha", "beta", "mat1", "mat2", "self")
 SCHEMA = ("Scalar", "Scalar", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2629"
 _RANGES = (
     range(0, 1),
     range(1, 2),

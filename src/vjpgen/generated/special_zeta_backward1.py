@@ -16,6 +16,8 @@ INPUTS = ("other",)
 SAVED = ("other", "self")
 SCHEMA = ("Tensor", "Scalar")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1042"
 _RANGES = (range(0, 1),)
 
 

@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self", "self_options", "split_sizes")
 SCHEMA = ("int", "Tensor", "TensorOptions", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1625"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self_sym_sizes")
 SCHEMA = ("int", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1665"
 _RANGES = (range(0, 1),)
 
 

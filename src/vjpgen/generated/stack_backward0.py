@@ -20,6 +20,8 @@ INPUTS = ("tensors",)
 SAVED = ("tensors_size_", "dim", "tensors_args_scalartypes")
 SCHEMA = ("size_t", "int", "ScalarType[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2973"
 _INPUT_IS_LIST = (True,)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "keepdim", "self")
 SCHEMA = ("int[]?", "bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1712"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("grad_output", "output")
 SAVED = ("grad_output", "output")
 SCHEMA = ("Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2735"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -16,6 +16,8 @@ INPUTS = ("input_gates", "hidden_gates", "cx", "input_bias", "hidden_bias")
 SAVED = ("cx", "hidden_bias", "hidden_gates", "input_bias", "input_gates", "result1", "result2")
 SCHEMA = ("Tensor", "Tensor?", "Tensor", "Tensor?", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2981"
 _RANGES = (
     range(0, 1),
     range(1, 2),

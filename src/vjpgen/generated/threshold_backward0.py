@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("self", "threshold")
 SCHEMA = ("Tensor", "Scalar")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2243"
 _RANGES = (range(0, 1),)
 
 

@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("self_options",)
 SCHEMA = ("TensorOptions",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:458"
 _RANGES = (range(0, 1),)
 
 

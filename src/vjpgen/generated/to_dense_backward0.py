@@ -19,6 +19,8 @@ INPUTS = ("self",)
 SAVED = ("masked_grad", "self")
 SCHEMA = ("bool?", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1824"
 _RANGES = (range(0, 1),)
 
 

@@ -19,6 +19,8 @@ INPUTS = ("self",)
 SAVED = ("self", "self_layout")
 SCHEMA = ("Tensor", "Layout")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2889"
 _RANGES = (range(0, 1),)
 
 

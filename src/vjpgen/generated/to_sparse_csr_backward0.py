@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("self_layout", "self_self_sym_blocksize_opt")
 SCHEMA = ("Layout", "SymInt[]?")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1845"
 _RANGES = (range(0, 1),)
 
 

@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self_sym_sizes", "indices")
 SCHEMA = ("int", "SymInt[]", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1779"
 _RANGES = (range(0, 1),)
 
 

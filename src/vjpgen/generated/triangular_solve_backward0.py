@@ -17,6 +17,8 @@ INPUTS = ("self", "A")
 SAVED = ("A", "self", "transpose", "unitriangular", "upper", "solution")
 SCHEMA = ("Tensor", "Tensor", "bool", "bool", "bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1796"
 _RANGES = (
     range(0, 1),
     range(1, 2),

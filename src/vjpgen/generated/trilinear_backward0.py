@@ -17,6 +17,8 @@ INPUTS = ("i1", "i2", "i3")
 SAVED = ("expand1", "expand2", "expand3", "i1", "i2", "i3", "sumdim")
 SCHEMA = ("int[]", "int[]", "int[]", "Tensor", "Tensor", "Tensor", "int[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2007"
 _RANGES = (
     range(0, 1),
     range(1, 2),

@@ -21,6 +21,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self", "self_layout", "self_options")
 SCHEMA = ("int", "Tensor", "Layout", "TensorOptions")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2964"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("dimension", "self_sym_sizes", "size", "step")
 SCHEMA = ("int", "SymInt[]", "int", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1872"
 _RANGES = (range(0, 1),)
 
 

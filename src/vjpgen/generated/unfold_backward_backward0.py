@@ -16,6 +16,8 @@ INPUTS = ("grad_in",)
 SAVED = ("dim", "size", "step")
 SCHEMA = ("int", "int", "int")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1876"
 _RANGES = (range(0, 1),)
 
 

@@ -19,6 +19,8 @@ INPUTS = ("self",)
 SAVED = ("indices", "self_options", "self_sym_sizes")
 SCHEMA = ("Tensor?[]", "TensorOptions", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:847"
 _RANGES = (range(0, 1),)
 
 

@@ -19,6 +19,8 @@ INPUTS = ("self",)
 SAVED = ("indices", "mask", "self_options", "self_sym_sizes")
 SCHEMA = ("Tensor?[]", "Tensor", "TensorOptions", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:851"
 _RANGES = (range(0, 1),)
 
 

@@ -20,6 +20,8 @@ INPUTS = ("self",)
 SAVED = ("dim", "self_options", "self_sym_sizes", "split_sizes")
 SCHEMA = ("int", "TensorOptions", "SymInt[]", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1633"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("align_corners", "output_size", "scales_h", "scales_w", "self_sym_sizes")
 SCHEMA = ("bool", "SymInt[]", "float?", "float?", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2291"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("output_size", "scales", "self_sym_sizes")
 SCHEMA = ("SymInt[]", "float?", "SymInt[]")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2307"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("grad_output",)
 SAVED = ("output_size", "scales")
 SCHEMA = ("SymInt[]", "float?")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2710"
 _RANGES = (range(0, 1),)
 
 

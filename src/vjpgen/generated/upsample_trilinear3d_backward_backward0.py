@@ -16,6 +16,8 @@ INPUTS = ("grad_output",)
 SAVED = ("align_corners", "output_size", "scales_d", "scales_h", "scales_w")
 SCHEMA = ("bool", "SymInt[]", "float?", "float?", "float?")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:2702"
 _RANGES = (range(0, 1),)
 
 

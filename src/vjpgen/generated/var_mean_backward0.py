@@ -17,6 +17,8 @@ INPUTS = ("self",)
 SAVED = ("correction", "dim", "keepdim", "self")
 SCHEMA = ("Scalar?", "int[]?", "bool", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1929"
 _RANGES = (range(0, 1),)
 
 

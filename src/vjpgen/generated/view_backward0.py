@@ -16,6 +16,8 @@ INPUTS = ("self",)
 SAVED = ("self_sym_sizes",)
 SCHEMA = ("SymInt[]",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1935"
 _RANGES = (range(0, 1),)
 
 

@@ -16,6 +16,8 @@ INPUTS = ("v", "g")
 SAVED = ("dim", "g", "v", "result1")
 SCHEMA = ("int", "Tensor", "Tensor", "Tensor")
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1964"
 _RANGES = (
     range(0, 1),
     range(1, 2),

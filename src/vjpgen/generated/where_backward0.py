@@ -17,6 +17,8 @@ INPUTS = ("self", "other")
 SAVED = ("condition",)
 SCHEMA = ("Tensor",)
 TRANSLATED = True
+# the derivatives.yaml entry this module is generated from
+SOURCE = "torchgen/packaged/autograd/derivatives.yaml:1955"
 _RANGES = (
     range(0, 1),
     range(1, 2),
