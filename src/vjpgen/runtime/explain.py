@@ -11,20 +11,24 @@ import colorsys
 import copy
 import hashlib
 import html
+from collections import Counter
 
 import torch
 
-from . import api, walk
+from . import api, kernels, walk
+from . import plan as plan_mod
 from .stats import STATS
 
 
 class Explanation:
     """Result of :func:`explain`: ``steps`` is a list of ``(kind, label, GraphModule | None, info)``
     with kind ``"region"`` (a compiled region: info = backward node classes in it), ``"live"`` (a
-    graph break: label = node class, info = reason) or ``"interpreted"``."""
+    graph break: label = node class, info = reason) or ``"interpreted"``. ``sources``: node class ->
+    where its kernel comes from (package, module, derivatives.yaml or overlay ``file:line``)."""
 
-    def __init__(self, steps):
+    def __init__(self, steps, sources=None):
         self.steps = steps
+        self.sources = dict(sources or {})
 
     @property
     def graphs(self) -> list:
@@ -47,6 +51,9 @@ class Explanation:
                 continue
             lines.append(f"\n-- {label}: {len(info)} backward nodes, FX graph of aten ops:")
             lines.extend(_graph_lines(gm))
+            lines.append("   kernels:")
+            for name in dict.fromkeys(info):
+                lines.append(f"    {name}: {self.sources.get(name, 'no generated module')}")
         return "\n".join(lines)
 
     __str__ = text
@@ -135,15 +142,62 @@ def explain(loss, *, svg: str | None = None, print_result: bool = False) -> Expl
     try:
         if edges:
             api.grad(loss, edges, retain_graph=True, allow_unused=True, backend="eager")
+        # the capture above computes the leaves' grads (grad mode), which never runs AccumulateGrad:
+        # the breaks that `loss.backward()` has there (tensor hooks on a weight, DDP's reducer hooks)
+        # come from the plan of a backward, built here without running it
+        shown = Counter(label for kind, label, _, _ in sink if kind == "live")
+        for name, reason in _backward_breaks(loss):
+            if shown[name]:
+                shown[name] -= 1
+            else:
+                sink.append(("live", name, None, reason))
     finally:
         api._explain_sink.pop()
         vars(STATS).update(counters)
-    ex = Explanation(sink)
+    ex = Explanation(sink, _kernel_sources(sink))
     if print_result:
         print(ex.text())
     if svg:
         ex.write_svg(svg)
     return ex
+
+
+def _backward_breaks(loss) -> list:
+    """(node class, reason) of every graph break of the plan ``loss.backward()`` gets (the breaks
+    ``stats()`` counts after it), planned as the API plans it, without running anything."""
+    from .. import native
+    from . import hooks
+
+    root_edges = [(loss.grad_fn, loss.output_nr)]
+    native_hooks = native.module() is not None
+    check_t = not native_hooks and hooks.any_tensor_hooks()
+    check_n = not native_hooks and hooks.any_node_hooks()
+    nodes, metas, hooked, key, index, saved_hooked = walk.walk_fast(
+        root_edges, check_t, check_n, (), saved_hooks=True, lazy=True)
+    saved_groups = None
+    if saved_hooked:
+        ordinal: dict = {}
+        saved_groups = {i: ordinal.setdefault(k, len(ordinal)) for i, k in sorted(saved_hooked.items())}
+    root_idx = tuple((index[n], nr) for n, nr in root_edges)
+    plan = api._new_plan(root_edges, walk.as_list(nodes), metas, hooked, key, root_idx, None, True, saved_groups,
+                         native_hooks)
+    if plan.eager_reason is not None:
+        return [("(whole backward)", f"runs in torch's engine: {plan.eager_reason}")]
+    return [(plan.infos[st.node].name, plan.infos[st.node].live[1]) for st in plan.steps
+            if isinstance(st, plan_mod.LiveStep)]
+
+
+def _kernel_sources(steps) -> dict:
+    """Node class -> where the kernel that runs it comes from, for the classes in compiled regions."""
+    out = {}
+    for kind, _, _, info in steps:
+        if kind != "region":
+            continue
+        for name in info:
+            if name not in out:
+                m = kernels.get_module(name)
+                out[name] = kernels.source_of(m) if m is not None else "no generated module"
+    return out
 
 
 # ------------------------------------------------------------------------------------------
