@@ -71,7 +71,9 @@ def test_get_module_strict_names_an_unknown_class():
     x = torch.randn(3, requires_grad=True)
     live = type((x * 2).grad_fn).__name__  # a class the installed torch really builds
     assert get_module(live, strict=True).NAME == live
-    assert get_module("NoSuchBackward0") is None  # the default stays quiet
+    with pytest.raises(LookupError, match="'NoSuchBackward0' is not an autograd node class"):
+        get_module("NoSuchBackward0")  # a typo is named (issue 47), a class without a module is not:
+    assert get_module("AccumulateGrad") is None and get_module("NoSuchBackward0", strict=False) is None
     with pytest.raises(LookupError) as e:
         get_module("NoSuchBackward0", strict=True)
     msg = str(e.value)

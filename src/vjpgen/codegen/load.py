@@ -159,6 +159,69 @@ def _check_against_native(entries: list[Entry], inputs: Inputs) -> None:
                         f"{e.file}:{e.line_of(key)}: entry {e.name!r}: {var!r} is neither an argument nor an "
                         f"output of the schema (arguments: {', '.join(args)})"
                     )
+            if all(v.strip() in outs for v in str(key).split(",")):
+                why = _forward_formula_problem(str(e.data[key]), args, outs)
+                if why:
+                    raise GenerateError(
+                        f"{e.file}:{e.line_of(key)}: entry {e.name!r}: forward-mode formula for {key!r}: {why}"
+                    )
+
+
+# names a forward-mode formula may use besides the schema's: literals, the foreach index, the
+# primal and tangent of an in-place op's original self
+_FORWARD_NAMES = {"true", "false", "nullptr", "i", "original_self_p", "original_self_t"}
+
+
+def _forward_formula_problem(formula: str, args: list, outs: set) -> str | None:
+    """Why a ``result:`` (forward-mode) formula is not valid, or None. torchgen stores it unread,
+    so garbage would pass silently: it must parse, and every plain name must be an argument, an
+    output or their ``_p`` (primal) / ``_t`` (tangent) form."""
+    from .cxx_parser import ParseError, parse
+
+    if formula.strip() in ("auto_element_wise", "auto_linear"):
+        return None
+    try:
+        tree = parse(formula)
+    except ParseError as ex:
+        return f"cannot parse it: {ex.message} at {formula[ex.pos:ex.pos + 20]!r}"
+    known = {*args, *outs, *_FORWARD_NAMES}
+    known |= {f"{n}_{x}" for n in (*args, *outs) for x in "pt"}
+    unknown = sorted(n for n in _plain_names(tree) if n not in known and "::" not in n and not n.startswith("M_"))
+    if unknown:
+        return (
+            f"unknown name {unknown[0]!r} (use an argument or output, or its _p / _t form: "
+            f"{', '.join(f'{a}_t' for a in args)}; or auto_element_wise / auto_linear)"
+        )
+    return None
+
+
+def _plain_names(node) -> set:
+    """Names a parsed formula reads as values (not called functions, methods or lambda parameters)."""
+    from .cxx_parser import Node
+
+    out: set = set()
+    if not isinstance(node, Node):
+        return out
+    k, a = node.kind, node.args
+    if k == "name":
+        return {a[0]}
+    if k == "call":
+        if a[0].kind != "name":
+            out |= _plain_names(a[0])
+        for x in a[1]:
+            out |= _plain_names(x)
+        return out
+    if k in ("member", "arrow"):
+        return _plain_names(a[0])
+    if k == "lambda":
+        return _plain_names(a[1]) - set(a[0])
+    for x in a:
+        if isinstance(x, Node):
+            out |= _plain_names(x)
+        elif isinstance(x, tuple):
+            for y in x:
+                out |= _plain_names(y)
+    return out
 
 
 @dataclass(frozen=True)

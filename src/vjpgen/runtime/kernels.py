@@ -12,13 +12,19 @@ classes FILE defines) and is selected with :class:`use_kernels` — a call or a 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 import threading
 from pathlib import Path
 
+log = logging.getLogger("vjpgen")
 _lock = threading.Lock()
 _override = None  # the selected override package (a module), or None
-_token = 0  # bumped on every change of selection; part of every plan's cache key
+_token = 0  # the selection's id (0: the default package, then one per override package, kept for
+# the process, so switching back finds the plans and compiled regions made before); part of every
+# plan's cache key
+_ids: dict = {}  # override package (module) -> its token
+_told = False  # the one log line at the first selection of an override package
 _listeners: list = []  # called after a change (compiled autograd clears its graph cache)
 _by_path: dict = {}  # resolved path -> imported override package
 
@@ -26,7 +32,10 @@ _by_path: dict = {}  # resolved path -> imported override package
 def _default_get_module(name: str):
     from vjpgen.generated import get_module
 
-    return get_module(name)
+    try:
+        return get_module(name)
+    except LookupError:  # a name that is no node class of torch (the runtime asks for any class)
+        return None
 
 
 # Node classes whose generated formula is known to differ from torch's on some releases (found by
@@ -56,7 +65,10 @@ def get_module(name: str):
     :data:`KNOWN_DIFFERENT` on the releases it names: that node runs live)."""
     ov = _override
     if ov is not None:
-        m = ov.get_module(name)
+        try:
+            m = ov.get_module(name)
+        except LookupError:
+            m = None
         if m is not None:
             return m
     if name in known_different():
@@ -89,7 +101,8 @@ def source_of(module, index: int | None = None) -> str:
 
 
 def token() -> int:
-    """Changes whenever the selection changes: caches keyed by it never reuse another package's kernel."""
+    """The selection's id: differs between selections, so caches keyed by it never reuse another
+    package's kernel, and is the same each time one package is selected again (no recompile)."""
     return _token
 
 
@@ -144,12 +157,22 @@ def _check(pkg, path) -> None:
 
 
 def _select(pkg) -> None:
-    global _override, _token
+    global _override, _token, _told
     with _lock:
         if pkg is _override:
             return
         _override = pkg
-        _token += 1
+        _token = 0 if pkg is None else _ids.setdefault(pkg, len(_ids) + 1)
+        tell = pkg is not None and not _told
+        _told = _told or tell
+    if tell:
+        log.warning(
+            "vjpgen: override package %s selected: vjpgen's runtime (compiled_autograd(), backward, grad), "
+            "the vjpgen torch.compile backend (graphs compiled while it is selected) and torch's compiled "
+            "autograd with set_compiled_autograd_kernels(True) use its formulas; a backward outside vjpgen "
+            "(plain loss.backward(), torch.compile's own backends) keeps torch's",
+            Path(pkg.__file__).parent,
+        )
     for fn in list(_listeners):
         fn()
 

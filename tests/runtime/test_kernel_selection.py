@@ -1,0 +1,81 @@
+"""Selecting kernels (issue 47, point 7): switching ``use_kernels`` back and forth reuses what was
+compiled for each selection; the first selection of an override package says once where it
+applies; ``get_module`` names a typo instead of returning None."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vjpgen.runtime as rt
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _grad(sel):
+    x = torch.tensor([0.2, 0.4, 1.1], requires_grad=True)
+    w = torch.tensor([1.0, 2.0, 3.0])
+    with rt.use_kernels(sel):
+        rt.backward((torch.round(x * 3) * w).sum(), backend="aot_eager")
+    return x.grad, w
+
+
+def test_switching_back_and_forth_compiles_once_per_selection(ste_kernels):
+    first = {}
+    for sel in (None, ste_kernels):  # one compile (or cache hit) for each selection
+        first[sel] = _grad(sel)[0]
+    rt.reset_stats()
+    for _ in range(3):
+        for sel in (None, ste_kernels):
+            g, w = _grad(sel)
+            # still the right formula each time: torch's (zero) and the straight-through one (3 * w)
+            x = torch.tensor([0.2, 0.4, 1.1], requires_grad=True)
+            (torch.round(x * 3) * w).sum().backward()
+            torch.testing.assert_close(g, x.grad if sel is None else 3 * w)
+    s = rt.stats()
+    assert s["compiles"] == 0 and s["cache_misses"] == 0 and s["plans"] == 0, s
+    assert s["cache_hits"] == 6
+
+
+def test_first_override_selection_is_logged_once(ste_kernels):
+    code = (
+        "import vjpgen.runtime as rt, sys\n"
+        "p = sys.argv[1]\n"
+        "rt.use_kernels(p); rt.use_kernels(None); rt.use_kernels(p)\n"
+        "with rt.use_kernels(None): pass\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(ste_kernels)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "override package" in ln]
+    assert len(lines) == 1, r.stderr
+    assert str(ste_kernels) in lines[0] and "plain loss.backward()" in lines[0] and "keeps torch's" in lines[0]
+
+
+def test_get_module_names_a_typo():
+    from vjpgen.generated import NODE_CLASSES, get_module
+
+    with pytest.raises(LookupError, match=r"'Typo' is not an autograd node class"):
+        get_module("Typo")
+    # real classes without a module stay quiet: torch's hand-written ones, a custom Function's
+    x = torch.randn(3, requires_grad=True)
+    y = x.clone()
+    y[0] = 1.0
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    for node in (x.view_as(x).grad_fn.next_functions[0][0], y.grad_fn, Twice.apply(x).grad_fn):
+        name = type(node).__name__
+        assert name not in NODE_CLASSES
+        assert get_module(name) is None, name
+    assert get_module(type((x * 2).grad_fn).__name__).NAME == "MulBackward0"
