@@ -690,9 +690,14 @@ LIVE_ONLY = _live_only()
 _loaded = {}
 
 
-def get_module(node_class, strict=False):
-    """The generated module of ``node_class`` (e.g. ``"MulBackward0"``), or None if there is none;
-    with ``strict=True`` a missing module raises LookupError saying why and what to do."""
+def get_module(node_class, strict=None):
+    """The generated module of ``node_class`` (e.g. ``"MulBackward0"``).
+
+    A node class of torch that has no module here (``AccumulateGrad``, ``CopySlices``, a custom
+    Function's backward, a class the conformance pass left live) gives None; a name that is no
+    autograd node class at all (a typo) raises LookupError saying so. ``strict=True`` raises
+    LookupError for every missing module, saying why and what to do; ``strict=False`` never raises
+    (None for anything without a module)."""
     mod = _loaded.get(node_class)
     if mod is None:
         if (
@@ -714,18 +719,35 @@ def get_module(node_class, strict=False):
                 return None
             if package != __name__:
                 pkg = importlib.import_module(package)
-                return (
-                    pkg.get_module(node_class, strict=True)
-                    if strict
-                    else pkg.get_module(node_class)
-                )
+                return pkg.get_module(node_class, strict=strict)
         name = MODULES.get(node_class)
         if name is None or node_class in LIVE_ONLY:
-            if strict:
+            if strict or (strict is None and not _is_node_class(node_class)):
                 raise LookupError(_why_missing(node_class))
             return None
         mod = _loaded[node_class] = importlib.import_module(f"{__name__}.{name}")
     return mod
+
+
+def _is_node_class(name):
+    """Whether ``name`` is an autograd node class of the running torch: a C++ node class (those of
+    derivatives.yaml and the hand-written ones, ``torch._C._functions``), a custom Function's
+    backward class, or a name that is no Python identifier (a C++ extension's node)."""
+    if not isinstance(name, str):
+        return False
+    if name in MODULES or not name.isidentifier():
+        return True
+    import torch
+
+    if hasattr(torch._C._functions, name):
+        return True
+    todo = [torch.autograd.function.BackwardCFunction]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == name:
+            return True
+        todo.extend(cls.__subclasses__())
+    return False
 
 
 def _why_missing(node_class):
@@ -734,6 +756,12 @@ def _why_missing(node_class):
             f"vjpgen: {node_class} has a generated module in {__name__} (torch {TORCH_VERSION}) but its "
             f"conformance pass found it differs from the live node (verify.json), so it is not served; "
             f"the runtime runs the live node"
+        )
+    if not _is_node_class(node_class):
+        return (
+            f"vjpgen: {node_class!r} is not an autograd node class of torch {TORCH_VERSION} (nor a custom Function's "
+            f"backward): check the name (type(tensor.grad_fn).__name__); NODE_CLASSES lists the classes that have "
+            f"a module, and a class of your own needs a derivatives.yaml entry and `make generate`"
         )
     return (
         f"vjpgen: no generated module for node class {node_class!r} in {__name__} (torch {TORCH_VERSION}): "
