@@ -611,7 +611,10 @@ class FusedCall:
             slots.append((s, len(specs) - 1))
             params.append(p)
             self.params.append((p, had_state, made, s))
-            sig.append((s, spec["const"], spec["grad_at"] is not None, spec["buf_at"] is not None,
+            # (its tensors' positions too: the learning rate is one input per group, and the same
+            # sinks in other groups (a head given to the optimizer in a group of its own) read
+            # another layout of the same tensors)
+            sig.append((s, spec["const"], spec["grad_at"] is not None, spec["buf_at"] is not None, tuple(pos),
                         tuple(meta(tensors[j]) for j in pos)))
         f = Fuse(kind, slots, specs, params)
         f.tensors = tensors
