@@ -79,3 +79,31 @@ def test_get_module_names_a_typo():
         assert name not in NODE_CLASSES
         assert get_module(name) is None, name
     assert get_module(type((x * 2).grad_fn).__name__).NAME == "MulBackward0"
+
+
+def test_backend_uses_the_selection_at_compile_time(ste_kernels):
+    """What docs/backend.md says: the vjpgen backend builds a graph's backward from the kernels
+    selected when it compiles the graph; a switch needs torch._dynamo.reset(); torch.compile's own
+    backends keep torch's formula."""
+    w = torch.tensor([1.0, 2.0, 3.0])
+
+    def f(x):
+        return (torch.round(x * 3) * w).sum()
+
+    def grad_of(fn):
+        x = torch.tensor([0.2, 0.4, 1.1], requires_grad=True)
+        fn(x).backward()
+        return x.grad
+
+    zero, ste = torch.zeros(3), 3 * w
+    torch._dynamo.reset()
+    try:
+        ours = torch.compile(f, backend="vjpgen", options={"compiler": "aot_eager"})
+        with rt.use_kernels(ste_kernels):
+            torch.testing.assert_close(grad_of(ours), ste)
+            torch.testing.assert_close(grad_of(torch.compile(f, backend="aot_eager")), zero)
+        torch.testing.assert_close(grad_of(ours), ste)  # compiled under the selection: kept
+        torch._dynamo.reset()
+        torch.testing.assert_close(grad_of(ours), zero)  # recompiled with the default package
+    finally:
+        torch._dynamo.reset()
