@@ -91,3 +91,27 @@ def test_default_kernel_source_names_its_entry():
 
     line = int(re.search(r"derivatives\.yaml:(\d+)", src)[1])
     assert data_path("derivatives.yaml").read_text().splitlines()[line - 1].startswith("- name: mul.Tensor(")
+
+
+def test_backend_raises_the_overrides_error_not_torchs_formula(bad_kernels):
+    """The vjpgen torch.compile backend builds the backward when it compiles: a wrong override is
+    the same one-line error there (it went to torch's AOTAutograd, torch's formula, silently but
+    for a warning)."""
+    overlay, out = bad_kernels
+    w = torch.randn(3)
+
+    def f(x):
+        return (torch.round(x * 3) * w).sum()
+
+    torch._dynamo.reset()
+    try:
+        with rt.use_kernels(out):
+            x = torch.randn(3, requires_grad=True)
+            with pytest.raises(Exception) as e:
+                torch.compile(f, backend="vjpgen", options={"compiler": "aot_eager"})(x).backward()
+    finally:
+        torch._dynamo.reset()
+    assert x.grad is None
+    msg = str(e.value)
+    assert "OverrideGradError" in msg and "returned by RoundBackward0" in msg, msg
+    assert f"formula for 'self' at {overlay}:3" in msg, msg

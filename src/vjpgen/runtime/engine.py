@@ -288,7 +288,8 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
                     g = validate(g, shape, dtype, device,
                                  f"at index {j} returned by {info.name} (for input {nr} of {infos[d].name})")
                 except RuntimeError as e:  # eager names the node that returned it; so do we, and its formula
-                    raise RuntimeError(f"{e}; its kernel: {kernels.source_of(info.module, j)}") from None
+                    cls = kernels.OverrideGradError if kernels.is_override(info.module) else RuntimeError
+                    raise cls(f"{e}; its kernel: {kernels.source_of(info.module, j)}") from None
                 bufs[s] = acc(bufs.get(s), g)
             tagger.tag(info.name)
             if after_node is not None:

@@ -76,6 +76,17 @@ def get_module(name: str):
     return _default_get_module(name)
 
 
+class OverrideGradError(RuntimeError):
+    """A kernel of an override package (the user's own formula) returned an invalid grad. It is the
+    user's error, raised wherever it is found: never a fallback to torch's formula."""
+
+
+def is_override(module) -> bool:
+    """Whether ``module`` comes from an override package (``use_kernels``)."""
+    pkg = sys.modules.get(getattr(module, "__name__", "").rpartition(".")[0])
+    return bool(getattr(pkg, "OVERRIDES", False)) or hasattr(module, "OVERLAY")
+
+
 def source_of(module, index: int | None = None) -> str:
     """Where a node's kernel comes from, for errors and ``explain()``: its package (vjpgen's default
     package, or an override package's folder), its module file and the derivatives.yaml entry it is
@@ -84,8 +95,7 @@ def source_of(module, index: int | None = None) -> str:
     name = getattr(module, "__name__", "?")
     pkg_name = name.rpartition(".")[0]
     file = Path(getattr(module, "__file__", None) or "?")
-    pkg = sys.modules.get(pkg_name)
-    if pkg is not None and getattr(pkg, "OVERRIDES", False):
+    if is_override(module):
         out = f"override package {file.parent} ({file.name})"
     else:
         out = f"package {pkg_name} ({file.name})"
