@@ -115,3 +115,20 @@ def test_backend_raises_the_overrides_error_not_torchs_formula(bad_kernels):
     msg = str(e.value)
     assert "OverrideGradError" in msg and "returned by RoundBackward0" in msg, msg
     assert f"formula for 'self' at {overlay}:3" in msg, msg
+
+
+def test_torch_compiled_autograd_names_the_overlay_line(bad_kernels):
+    """PyTorch's compiled autograd with vjpgen's kernels: torch's own validate_outputs finds the
+    bad grad; the error names the node class and the overlay line as well."""
+    overlay, out = bad_kernels
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3)
+    torch._C._dynamo.compiled_autograd.clear_cache()
+    with rt.use_kernels(out):
+        loss = (torch.round(x * 3) * w).sum()
+        with pytest.raises(Exception) as e:
+            with rt.torch_compiled_autograd("aot_eager"):
+                loss.backward()
+    msg = str(e.value)
+    assert "RoundBackward0 returned an invalid gradient at index 0" in msg, msg
+    assert f"formula for 'self' at {overlay}:3" in msg, msg

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import re
 import threading
 from collections import Counter
 
@@ -277,12 +278,25 @@ def _tagged_validate_op():
     the aten ops it adds (a ``sum_to`` of a broadcast grad, a dtype cast) tagged like the kernel's."""
     from torch._dynamo.compiled_autograd import ops
 
+    from .kernels import OverrideGradError, get_module, is_override, source_of
+
     op_name = "vjpgen_validate_outputs"
     if not hasattr(ops, op_name):
 
         def validate(tag, outputs, *args):
             with fx_traceback.preserve_node_meta(), fx_traceback.annotate({TAG: tag}):
-                return ops.validate_outputs(outputs, *args)
+                try:
+                    return ops.validate_outputs(outputs, *args)
+                except RuntimeError as e:  # name the kernel and (an override) its overlay line too
+                    m = re.search(r"invalid gradient at index (\d+)", str(e))
+                    mod = get_module(tag) if m else None
+                    if mod is None:
+                        raise
+                    cls = OverrideGradError if is_override(mod) else RuntimeError
+                    raise cls(
+                        f"vjpgen: {tag} returned an invalid {str(e).split('invalid ', 1)[1]}; its kernel: "
+                        f"{source_of(mod, int(m[1]))}"
+                    ) from None
 
         ops.add(op_name, validate, False, True)
     return ops.get(op_name)
