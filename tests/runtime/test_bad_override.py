@@ -132,3 +132,21 @@ def test_torch_compiled_autograd_names_the_overlay_line(bad_kernels):
     msg = str(e.value)
     assert "RoundBackward0 returned an invalid gradient at index 0" in msg, msg
     assert f"formula for 'self' at {overlay}:3" in msg, msg
+
+
+def test_broken_override_module_is_an_error_not_torchs_formula(ste_kernels, tmp_path):
+    """An override package whose module fails to import (edited by hand, half copied) raised
+    nothing: the class silently ran torch's formula. Now it is one error naming the file."""
+    import shutil
+
+    broken = tmp_path / "broken_kernels"
+    shutil.copytree(ste_kernels, broken)
+    (broken / "round_backward0.py").write_text((broken / "round_backward0.py").read_text() + "\nundefined_name\n")
+    x = torch.randn(3, requires_grad=True)
+    with rt.use_kernels(broken):
+        loss = (torch.round(x * 3) * x).sum()
+        with pytest.raises(rt.kernels.OverrideError) as e:
+            rt.backward(loss, backend="eager")
+    msg = str(e.value)
+    assert f"override package {broken}: round_backward0.py (RoundBackward0) fails to import" in msg, msg
+    assert "NameError" in msg and x.grad is None

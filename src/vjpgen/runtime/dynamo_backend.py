@@ -87,7 +87,7 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
         return _inner_backend(opts)(gm, example_inputs)
     except torch._dynamo.exc.RestartAnalysis:  # dynamo's own control flow (it traces the frame again)
         raise
-    except kernels.OverrideGradError:  # the user's own formula is wrong: say so, never torch's formula instead
+    except kernels.OverrideError:  # the user's own formula is wrong: say so, never torch's formula instead
         raise
     except Exception as e:  # a graph vjpgen fails on still compiles as torch.compile would compile it
         reason = f"{type(e).__name__} while building the joint: {str(e).splitlines()[0][:200] if str(e) else ''}"

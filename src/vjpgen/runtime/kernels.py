@@ -69,6 +69,13 @@ def get_module(name: str):
             m = ov.get_module(name)
         except LookupError:
             m = None
+        except Exception as e:  # its module of that class fails to import: never torch's formula instead
+            module = getattr(ov, "MODULES", {}).get(name, "?")
+            raise OverrideError(
+                f"vjpgen: override package {Path(ov.__file__).parent}: {module}.py ({name}) fails to import "
+                f"({type(e).__name__}: {e}); regenerate the package (the command is on the file's first line) "
+                f"or select another with use_kernels"
+            ) from e
         if m is not None:
             return m
     if name in known_different():
@@ -76,9 +83,14 @@ def get_module(name: str):
     return _default_get_module(name)
 
 
-class OverrideGradError(RuntimeError):
-    """A kernel of an override package (the user's own formula) returned an invalid grad. It is the
-    user's error, raised wherever it is found: never a fallback to torch's formula."""
+class OverrideError(RuntimeError):
+    """An override package (the user's own formulas) cannot serve a class it defines: one of its
+    modules fails to import, or (:class:`OverrideGradError`) its kernel returned an invalid grad.
+    The user's error, raised wherever it is found: never a fallback to torch's formula."""
+
+
+class OverrideGradError(OverrideError):
+    """A kernel of an override package returned an invalid grad (see :class:`OverrideError`)."""
 
 
 def is_override(module) -> bool:

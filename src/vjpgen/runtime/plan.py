@@ -28,6 +28,8 @@ _BackwardCFunction = torch.autograd.function.BackwardCFunction
 def _get_module(name: str):
     try:
         return kernels.get_module(name)  # the selected override package first, then the default one
+    except kernels.OverrideError:  # the user's own package is broken: say so, not torch's formula
+        raise
     except Exception as e:  # a module that fails to import is a missing module
         log.debug("vjpgen: module for %s failed to import: %s", name, e)
         return None
