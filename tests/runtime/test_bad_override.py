@@ -150,3 +150,31 @@ def test_broken_override_module_is_an_error_not_torchs_formula(ste_kernels, tmp_
     msg = str(e.value)
     assert f"override package {broken}: round_backward0.py (RoundBackward0) fails to import" in msg, msg
     assert "NameError" in msg and x.grad is None
+
+
+def test_wrong_device_is_named_like_eager(tmp_path):
+    overlay = tmp_path / "meta_round.yaml"
+    overlay.write_text('- name: round(Tensor self) -> Tensor\n  self: grad.to("meta")\n  result: auto_element_wise\n')
+    out = tmp_path / "meta_kernels"
+    assert main(["generate", "--overlay", str(overlay), "--out", str(out)]) == 0
+
+    class ToMeta(torch.autograd.Function):  # eager's reference: the same bad grad from a node
+        @staticmethod
+        def forward(ctx, t):
+            return torch.round(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.to("meta")
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError) as eager:
+        (ToMeta.apply(x * 3) * x).sum().backward()
+    words = re.search(r"expected device \w+ but got \w+", str(eager.value))[0]
+    x = torch.randn(3, requires_grad=True)
+    with rt.use_kernels(out):
+        with pytest.raises(RuntimeError) as ours:
+            rt.backward((torch.round(x * 3) * x).sum(), backend="eager")
+    msg = str(ours.value)
+    assert words in msg and "returned by RoundBackward0" in msg, msg
+    assert msg.endswith(f"formula for 'self' at {overlay}:2"), msg
