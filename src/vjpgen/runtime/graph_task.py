@@ -42,8 +42,37 @@ def _carrier():
         with torch.enable_grad():
             out = _Steps.apply(seed)
         c = _local.carrier = ((out,), (torch.ones(()),))
-        _local.jobs = []
+        if not hasattr(_local, "jobs"):
+            _local.jobs = []
     return c
+
+
+def _renew_carrier() -> None:
+    """A fresh carrier graph for this thread, made outside any active mode (the call that ends may
+    run under a fake or proxy mode): the old one's node was handed to user code by
+    ``torch._C._current_autograd_node()`` (see :func:`_current_autograd_node`) and may hold its
+    hooks."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    _local.tainted = False
+    _local.carrier = None
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        _carrier()
+
+
+_orig_current_node = torch._C._current_autograd_node
+
+
+def _current_autograd_node():
+    """``torch._C._current_autograd_node`` that marks this thread's carrier as handed out: inside
+    vjpgen's graph task the node the engine runs is the carrier's, which serves every later call of
+    the thread, so a hook registered on it (a saved tensor's unpack hook registering a post hook on
+    the current node, as torch's test_node_post_hook_registered_during_unpack_hook does) would run
+    in every later backward. The carrier is replaced when the outermost call ends."""
+    node = _orig_current_node()
+    if node is not None and getattr(_local, "jobs", None) and type(node) is _Steps._backward_cls:
+        _local.tainted = True
+    return node
 
 
 def prepare() -> None:
@@ -70,6 +99,8 @@ def run(job, keep_graph: bool, will_execute=None) -> None:
         _engine.run_backward(outs, grads, keep_graph, False, (), True, True)
     finally:
         jobs.pop()
+        if not jobs and getattr(_local, "tainted", False):
+            _renew_carrier()
 
 
 class _Answering:
@@ -108,9 +139,10 @@ def _will_engine_execute_node(node):
 
 
 def install() -> None:
-    """Put :func:`_will_engine_execute_node` in torch._C's place (idempotent; it defers to torch's
-    own function outside vjpgen's graph tasks)."""
+    """Put :func:`_will_engine_execute_node` and :func:`_current_autograd_node` in torch._C's place
+    (idempotent; they defer to torch's own functions outside vjpgen's graph tasks)."""
     torch._C._will_engine_execute_node = _will_engine_execute_node
+    torch._C._current_autograd_node = _current_autograd_node
 
 
 def execution_oracle(plan, nodes, targets, accumulate: bool):
