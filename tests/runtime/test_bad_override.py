@@ -178,3 +178,16 @@ def test_wrong_device_is_named_like_eager(tmp_path):
     msg = str(ours.value)
     assert words in msg and "returned by RoundBackward0" in msg, msg
     assert msg.endswith(f"formula for 'self' at {overlay}:2"), msg
+
+
+def test_live_node_is_blamed_like_eager():
+    """A node that runs live (a custom Function) and returns a bad grad is named, as eager names it,
+    not the node the grad flows into."""
+    x = torch.randn(3, requires_grad=True)
+    eager = _eager_message(False)
+    got, want = re.search(r"got (\[.*?\]) but expected shape compatible with (\[.*?\])", eager).groups()
+    with pytest.raises(RuntimeError) as e:
+        rt.backward((_SumBackward.apply(x * 3) * torch.randn(3)).sum(), backend="eager")
+    msg = str(e.value)
+    assert "at index 0 returned by _SumBackwardBackward (for input 0 of MulBackward0)" in msg, msg
+    assert f"got shape {got} but expected shape compatible with {want}" in msg, msg

@@ -105,7 +105,8 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
         if g is None:
             continue
         m = metas[d][nr]
-        g = capture.validate_grad(g, m.shape, m.dtype, m.device, f"for input {nr} of {plan.infos[d].name}")
+        g = capture.validate_grad(g, m.shape, m.dtype, m.device,
+                                  f"at index {j} returned by {info.name} (for input {nr} of {plan.infos[d].name})")
         outs[j] = g
     if h is not None and h.post:
         outs = hooks.run_node_post_hooks(h.post, outs, grads)
