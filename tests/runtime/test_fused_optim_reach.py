@@ -245,3 +245,26 @@ def test_grad_left_on_a_parameter_the_graph_does_not_reach(name, mode):
         _eager_step(o0, m0(x, 1))
         _fused_step(o1, lambda: f1(x, 1))
         _same(m0, o0, m1, o1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_optimizers_alternating_on_one_graph(mode):
+    """A GAN's alternating updates, as a generator and a discriminator with an optimizer each, the
+    same loss graph on every step: the discriminator's optimizer on even steps, the generator's on
+    odd ones. Each block updates its optimizer's parameters only; the other's ``.grad`` accumulates
+    (its optimizer neither steps nor zeroes them, as eager's) and is added to its next step."""
+    g0, g1 = _twins(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)))
+    d0, d1 = _twins(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)))
+    og0, og1 = torch.optim.Adam(g0.parameters(), lr=1e-2), torch.optim.Adam(g1.parameters(), lr=1e-2)
+    od0, od1 = (torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.5) for d in (d0, d1))
+    both0, both1 = nn.Sequential(g0, d0), nn.Sequential(g1, d1)
+    f1 = _forward(both1, mode)
+    for step in range(6):
+        x = _x(step)
+        sign = 1.0 if step % 2 == 0 else -1.0
+        o0, o1 = (od0, od1) if step % 2 == 0 else (og0, og1)
+        _eager_step(o0, both0(x).mean() * sign)
+        _fused_step(o1, lambda: f1(x).mean() * sign)
+        _same(g0, og0, g1, og1)
+        _same(d0, od0, d1, od1)
+    assert rt.stats()["fused_optimizer"]["fused_params"] == 6 * 4

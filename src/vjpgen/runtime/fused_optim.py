@@ -16,6 +16,12 @@ Every parameter that is not fused this way keeps the plain path, counted with it
 ``opt.step()`` that follows the backward updates it (``opt.step()`` skips the parameters whose
 ``.grad`` is None: the fused ones). Never a different update.
 
+What is fused is worked out per optimizer for the parameters each call's graph reaches (a plan is
+per graph structure, and one structure can reach another head or other experts on another call:
+:func:`_reached`, :class:`_Template`); a parameter the call does not reach is not updated, as
+eager's step skips one without a ``.grad``, unless an earlier backward left it a ``.grad``: then
+the plain ``opt.step()`` updates it.
+
 Fused: ``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize), ``Adam`` and
 ``AdamW`` (amsgrad, weight decay, maximize), any number of param groups, with ``foreach`` on or off;
 dense floating-point parameters whose AccumulateGrad the plan accumulates itself (no hooks: a
