@@ -55,3 +55,46 @@ def test_current_autograd_node_is_torchs_outside_vjpgen():
     y.register_hook(hook)
     y.sum().backward()
     assert type(seen[0]).__name__ == "ExpBackward0"
+
+
+class _FixedGrad(torch.autograd.Function):
+    """Returns a fixed (possibly sparse) grad for x, as torch's test_sparse_backward."""
+
+    @staticmethod
+    def forward(ctx, x, grad_x):
+        ctx.save_for_backward(grad_x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        (saved,) = ctx.saved_tensors
+        return saved, None
+
+
+def _sparse_then_dense(routed: bool, order: str):
+    torch.manual_seed(0)
+    size = torch.Size([6, 3, 2])
+    i1 = torch.tensor([[0, 3, 4], [0, 2, 2]])
+    sparse1 = torch.sparse_coo_tensor(i1, torch.randn(3, 2, dtype=torch.double), size)
+    i2 = torch.tensor([[0, 1, 3, 4], [0, 1, 2, 2]])
+    sparse2 = torch.sparse_coo_tensor(i2, torch.randn(4, 2, dtype=torch.double), size)
+    dense = torch.rand(size, dtype=torch.double)
+    grads = {"sparse first": (sparse1, dense, sparse2), "dense first": (dense, sparse1, sparse2),
+             "sparse only": (sparse1, sparse2)}[order]
+    x = torch.randn(size, dtype=torch.double, requires_grad=True)
+    ctx = rt.compiled_autograd("aot_eager") if routed else torch.enable_grad()
+    with ctx:
+        out = sum(_FixedGrad.apply(x, g) for g in grads)
+        out.sum().abs().backward()
+    return x.grad
+
+
+def test_sparse_and_dense_grads_into_one_input_sum_as_eager():
+    """A sparse grad buffered first, then a dense one: vjpgen summed sparse + dense, which torch
+    refuses ("add(sparse, dense) is not supported"); the engine's InputBuffer adds dense + sparse
+    (torch's test_sparse_backward)."""
+    for order in ("sparse first", "dense first", "sparse only"):
+        expected = _sparse_then_dense(False, order)
+        got = _sparse_then_dense(True, order)
+        assert got.layout == expected.layout, order
+        torch.testing.assert_close(got.to_dense(), expected.to_dense(), msg=order)

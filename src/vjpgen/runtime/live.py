@@ -123,7 +123,13 @@ def _add_outputs(info, outs, grads, buf, ctx: "CallContext") -> None:
             continue
         if id(g) in ins:
             ctx.protected.add(id(g))
-        buf[s] = g if buf[s] is None else buf[s] + g
+        b = buf[s]
+        if b is None:
+            buf[s] = g
+        elif b.layout is not torch.strided and g.layout is torch.strided:
+            buf[s] = g + b  # dense + sparse, as the engine's InputBuffer sums (sparse + dense raises)
+        else:
+            buf[s] = b + g
 
 
 def _run_live_leaves(idx, plan: Plan, nodes, buf, ctx: "CallContext") -> None:
