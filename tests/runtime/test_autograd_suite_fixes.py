@@ -1,6 +1,7 @@
 """Regressions found by running PyTorch's own test_autograd.py through vjpgen (make test-autograd,
 coverage/autograd_suite.md), each checked against eager with backend "aot_eager"."""
 
+import pytest
 import torch
 
 import vjpgen.runtime as rt
@@ -98,3 +99,27 @@ def test_sparse_and_dense_grads_into_one_input_sum_as_eager():
         got = _sparse_then_dense(True, order)
         assert got.layout == expected.layout, order
         torch.testing.assert_close(got.to_dense(), expected.to_dense(), msg=order)
+
+
+def test_function_with_both_backward_and_vjp_raises_torchs_error():
+    """torch refuses a custom Function that implements both ``backward`` and ``vjp``; vjpgen traced
+    its ``backward`` and ran it (torch's test_custom_function_error)."""
+
+    class Both(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+        @staticmethod
+        def vjp(ctx, g):
+            return g
+
+    for routed in (False, True):
+        x = torch.rand(1, requires_grad=True)
+        ctx = rt.compiled_autograd("aot_eager") if routed else torch.enable_grad()
+        with ctx, pytest.raises(RuntimeError, match="Implementing both 'backward' and 'vjp'"):
+            Both.apply(x).sum().backward()

@@ -163,7 +163,10 @@ def module_for(node_cls) -> FunctionModule | None:
         own = getattr(fn_cls, "vjpgen_module", None)  # a Function that brings its own module
         if own is not None:
             mod = own
-        elif backward is None or backward is torch.autograd.Function.backward:
+        elif (backward is None or backward is torch.autograd.Function.backward
+              or getattr(fn_cls, "vjp", None) is not torch.autograd.Function.vjp):
+            # no backward of its own, or a vjp besides it: the live node runs it (and raises
+            # torch's "Implementing both 'backward' and 'vjp'" error for the latter)
             mod = None
         elif (getattr(fn_cls, "__module__", "") or "").startswith("torch."):
             # torch's own Functions (AOTAutograd's compiled backward, DDP's and FSDP's, checkpoint)
