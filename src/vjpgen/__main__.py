@@ -64,7 +64,10 @@ def _parser() -> argparse.ArgumentParser:
             "holding only the node classes they define, selected with vjpgen.runtime.use_kernels(DIR)",
         )
         s.add_argument("--out", type=Path, default=GENERATED, help="output folder (default: vjpgen's own generated/, %(default)s)")
-        s.add_argument("--jobs", type=_jobs, default=os.cpu_count() or 1, help="processes for formatting, 1 or more (default: %(default)s)")
+        s.add_argument(
+            "--jobs", type=_jobs, default=os.cpu_count() or 1,
+            help="processes for formatting, 1 or more (default: %(default)s)",
+        )
         s.add_argument("-v", "--verbose", action="store_true", help="log timings")
         if name == "check":
             s.add_argument(

@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import shutil
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -276,7 +275,9 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
         )
         for s in specs
     }
-    raw["__init__.py"] = render_index(specs, version, sha, overrides=bool(inputs.user_overlays), origin=where)
+    raw["__init__.py"] = render_index(
+        specs, version, sha, overrides=bool(inputs.user_overlays), origin=where
+    )
     t2 = time.perf_counter()
     files = format_all(raw, jobs)
     t3 = time.perf_counter()
