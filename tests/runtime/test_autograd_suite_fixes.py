@@ -123,3 +123,30 @@ def test_function_with_both_backward_and_vjp_raises_torchs_error():
         ctx = rt.compiled_autograd("aot_eager") if routed else torch.enable_grad()
         with ctx, pytest.raises(RuntimeError, match="Implementing both 'backward' and 'vjp'"):
             Both.apply(x).sum().backward()
+
+
+def _backward_to_edges(routed: bool):
+    from torch.autograd.graph import GradientEdge
+
+    torch.manual_seed(0)
+    leaf_x = torch.rand(2, requires_grad=True)
+    x = leaf_x.clone()
+    y = torch.rand(2, requires_grad=True).clone()
+    edge_x = GradientEdge(x.grad_fn, x.output_nr)
+    edge_y = GradientEdge(y.grad_fn, y.output_nr)
+    out = x.clone() * 3
+    ctx = rt.compiled_autograd("aot_eager") if routed else torch.enable_grad()
+    with ctx:
+        torch.autograd.backward(out.sum(), inputs=(edge_x, y), retain_graph=True)
+        torch.autograd.backward(out.sum(), inputs=(edge_x, edge_y))
+    return leaf_x.grad, y.grad
+
+
+def test_backward_with_gradient_edge_inputs():
+    """``backward(inputs=(GradientEdge, ...))`` to a non-leaf: eager retains nothing (there is no
+    tensor); vjpgen set ``.grad`` on the edge ('GradientEdge' object has no attribute 'grad';
+    torch's test_backward_to_node)."""
+    e_leaf, e_y = _backward_to_edges(False)
+    leaf, y = _backward_to_edges(True)
+    assert e_leaf is None and leaf is None
+    torch.testing.assert_close(y, e_y)

@@ -322,6 +322,8 @@ def _execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, 
                 for t, tgt, g in zip(inputs, targets, captured):
                     if g is None or tgt is None or plan.infos[tgt[0]].is_acc:
                         continue
+                    if not isinstance(t, torch.Tensor):  # a GradientEdge: no tensor to retain it on, as eager
+                        continue
                     # backward(inputs=[non-leaf]) retains the grad on that tensor
                     if t.grad is None:
                         t.grad = g.clone() if id(g) in ctx.protected else g
