@@ -401,7 +401,7 @@ def check(out: Path, inputs: Inputs, jobs: int = 2, command: str | None = None) 
     return check_diff(out, inputs, jobs, command, max_lines=0).files
 
 
-def check_diff(out: Path, inputs: Inputs, jobs: int = 2, command: str | None = None, max_lines: int = 200) -> Drift:
+def check_diff(out: Path, inputs: Inputs, jobs: int = 2, command: str | None = None, max_lines: int = 400) -> Drift:
     """:func:`check` with a unified diff (``a/`` is ``out`` as it is, ``b/`` what generating writes),
     cut after ``max_lines`` lines."""
     files = build_files(inputs, jobs, command)
