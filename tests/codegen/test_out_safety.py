@@ -89,6 +89,13 @@ def test_file_is_refused(tmp_path, capsys):
     _no_leftovers(tmp_path, "kernels")
 
 
+def test_a_file_above_is_refused(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x\n")
+    before = _snapshot(tmp_path)
+    _refused(capsys, _generate(tmp_path / "afile" / "sub"), tmp_path, "afile is a file, not a folder")
+    assert _snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("target", ["package", "empty", "dangling"])
 def test_symlink_is_refused(tmp_path, capsys, target):
     real = tmp_path / "real"

@@ -99,6 +99,9 @@ def refusal(out: Path) -> str | None:
     if out.is_symlink():
         return f"{where} is a symbolic link (to {os.readlink(out)}); {rule}: pass a real folder; nothing was written"
     if not out.exists():
+        above = next((p for p in Path(os.path.abspath(out)).parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            return f"{where}: {above} is a file, not a folder; pick another --out; nothing was written"
         return None
     if not out.is_dir():
         return f"{where} is a file, not a folder; {rule}: pick another --out; nothing was written"
@@ -376,7 +379,11 @@ def generate(out: Path, inputs: Inputs, jobs: int = 2, force: bool = False, comm
         log.debug("vjpgen: %s is up to date (%d node modules)", out, n)
         return Generated(n, False)
     files = build_files(inputs, jobs, command)
-    _write_atomic(out, files, fp)
+    try:
+        _write_atomic(out, files, fp)
+    except OSError as e:  # (the temporary folder is gone; out is as it was)
+        where = e.filename or out
+        raise GenerateError(f"--out {out}: cannot write {where}: {e.strerror or e}; nothing was written") from None
     n = len(files) - 1
     log.info("vjpgen: wrote %d node modules to %s", n, out)
     return Generated(n, True)
