@@ -150,3 +150,40 @@ def test_backward_with_gradient_edge_inputs():
     leaf, y = _backward_to_edges(True)
     assert e_leaf is None and leaf is None
     torch.testing.assert_close(y, e_y)
+
+
+def test_clear_saved_tensors_on_access_read_twice_raises_torchs_error():
+    """A Function with ``clear_saved_tensors_on_access = True`` whose backward reads
+    ``ctx.saved_tensors`` twice: torch raises; vjpgen's traced ctx served both reads (torch's
+    test_clear_saved_tensors_on_access_double_access_error). Read once, it runs as eager."""
+
+    class Twice(torch.autograd.Function):
+        clear_saved_tensors_on_access = True
+
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            _ = ctx.saved_tensors
+            _ = ctx.saved_tensors
+            return g
+
+    class Once(Twice):
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * x
+
+    for routed in (False, True):
+        def ctx():
+            return rt.compiled_autograd("aot_eager") if routed else torch.enable_grad()
+
+        x = torch.rand(3, requires_grad=True)
+        with ctx(), pytest.raises(RuntimeError, match="can only be accessed once"):
+            Twice.apply(x).sum().backward()
+        with ctx():
+            Once.apply(x).sum().backward()
+        torch.testing.assert_close(x.grad, x.detach())
