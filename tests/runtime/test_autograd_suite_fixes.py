@@ -187,3 +187,45 @@ def test_clear_saved_tensors_on_access_read_twice_raises_torchs_error():
         with ctx():
             Once.apply(x).sum().backward()
         torch.testing.assert_close(x.grad, x.detach())
+
+
+def _warnings_of(fn, routed: bool) -> list:
+    import warnings
+
+    ctx = rt.compiled_autograd("aot_eager") if routed else torch.enable_grad()
+    with warnings.catch_warnings(record=True) as w, ctx:
+        warnings.simplefilter("always")
+        fn()
+    return [(m.category, str(m.message).split(" (Triggered internally")[0]) for m in w]
+
+
+def test_backward_warnings_as_eager():
+    """The ``_test_warn_in_autograd`` op's backward warns "Warn from backward" (vjpgen's helper said
+    "Warning in backward()"; torch's test_warning_in_backward); a custom Function's backward that
+    reads the deprecated ``ctx.saved_variables`` warns on every call (vjpgen's traced ctx never
+    did; torch's test_saved_variables_deprecated)."""
+
+    def op():
+        a = torch.zeros((), requires_grad=True)
+        torch._C._nn._test_warn_in_autograd(a).backward()
+
+    class Old(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_variables
+            return g * x
+
+    def fn():
+        x = torch.rand(2, requires_grad=True)
+        for _ in range(2):
+            Old.apply(x).sum().backward()
+
+    for f in (op, fn):
+        expected = _warnings_of(f, False)
+        assert expected
+        assert _warnings_of(f, True) == expected

@@ -33,7 +33,7 @@ def not_implemented_list(name: str, reason: str = ""):
 @register
 def warn_backwards(grad_output: torch.Tensor) -> torch.Tensor:
     """Warn and return ``grad_output`` (the ``_test_warn_in_autograd`` op). Mirrors FunctionsManual ``warn_backwards``."""
-    warnings.warn("Warning in backward()")
+    warnings.warn("Warn from backward")  # FunctionsManual.cpp's TORCH_WARN text
     return grad_output.clone()
 
 

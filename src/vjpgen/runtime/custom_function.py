@@ -165,10 +165,12 @@ def module_for(node_cls) -> FunctionModule | None:
             mod = own
         elif (backward is None or backward is torch.autograd.Function.backward
               or getattr(fn_cls, "vjp", None) is not torch.autograd.Function.vjp
-              or getattr(fn_cls, "clear_saved_tensors_on_access", False)):
+              or getattr(fn_cls, "clear_saved_tensors_on_access", False)
+              or "saved_variables" in getattr(getattr(backward, "__code__", None), "co_names", ())):
             # no backward of its own, or a vjp besides it, or saved tensors that may be read once
-            # (clear_saved_tensors_on_access): the live node runs it (and raises torch's
-            # "Implementing both 'backward' and 'vjp'" / "can only be accessed once" errors)
+            # (clear_saved_tensors_on_access), or read through the deprecated ctx.saved_variables:
+            # the live node runs it (and raises torch's "Implementing both 'backward' and 'vjp'" /
+            # "can only be accessed once" errors, warns that saved_variables is deprecated)
             mod = None
         elif (getattr(fn_cls, "__module__", "") or "").startswith("torch."):
             # torch's own Functions (AOTAutograd's compiled backward, DDP's and FSDP's, checkpoint)
