@@ -24,7 +24,7 @@ from collections import OrderedDict
 
 import torch
 
-_META_KEY = "_vjpgen_tensor_hooks"  # grad_fn.metadata[_META_KEY] = {output_nr: hooks OrderedDict}
+_META_KEY = "_vjpgen_tensor_hooks"  # grad_fn.metadata[_META_KEY] = {output_nr: weakref(hooks OrderedDict)}
 _RETAIN_KEY = "_vjpgen_retain_grad"  # grad_fn.metadata[_RETAIN_KEY] = {output_nr: weakref(tensor)}
 
 
@@ -77,7 +77,10 @@ def install() -> None:
         gf = self.grad_fn
         if gf is not None and self._backward_hooks is not None:
             d = gf.metadata.setdefault(_META_KEY, {})
-            d[self.output_nr] = self._backward_hooks
+            # weakly: the node's own pre-hook holds the dict; a strong reference from the node's
+            # metadata, which the garbage collector does not traverse, kept a hook that closes
+            # over its grad_fn alive forever (torch's test_hook_closure_cycle)
+            d[self.output_nr] = weakref.ref(self._backward_hooks)
             _tensor_hook_dicts.add(self._backward_hooks)
         return handle
 
@@ -171,7 +174,7 @@ def node_hooks(node, check_tensor: bool, check_node: bool) -> NodeHooks | None:
         md = node.metadata
         th = md.get(_META_KEY)
         if th:
-            tensor_pre = {k: v for k, v in th.items() if v}
+            tensor_pre = {k: d for k, r in th.items() if (d := r())}
         rt = md.get(_RETAIN_KEY)
         if rt:
             retain = {}
