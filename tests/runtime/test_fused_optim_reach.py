@@ -268,3 +268,20 @@ def test_two_optimizers_alternating_on_one_graph(mode):
         _same(g0, og0, g1, og1)
         _same(d0, od0, d1, od1)
     assert rt.stats()["fused_optimizer"]["fused_params"] == 6 * 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_input_that_requires_grad_keeps_its_grad(mode):
+    """A leaf outside the optimizer, made anew on every step (an input that requires grad, as in
+    adversarial training): its ``.grad`` is eager's, the alternating heads are updated as eager's."""
+    m0, m1 = _twins(Heads())
+    o0, o1 = torch.optim.Adam(m0.parameters(), lr=1e-2), torch.optim.Adam(m1.parameters(), lr=1e-2)
+    f1 = _forward(m1, mode)
+    for step, head in enumerate(HEADS):
+        x0 = _x(step).requires_grad_()
+        x1 = x0.detach().clone().requires_grad_()
+        _eager_step(o0, m0(x0, head))
+        _fused_step(o1, lambda: f1(x1, head))
+        torch.testing.assert_close(x1.grad, x0.grad, **TOL)
+        _same(m0, o0, m1, o1)
+    assert rt.stats()["fused_optimizer"]["fused_params"] == len(HEADS) * 4

@@ -400,6 +400,25 @@ def _reached(plan, nodes) -> list:
     return [nodes[ai].variable for ai, _ in plan.acc_sinks] + [nodes[ai].variable for ai in plan.live_acc_bytes]
 
 
+# optimizer -> (its groups' parameter lists and their lengths, the ids of its parameters)
+_PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _param_ids(opt) -> set:
+    """The ids of the optimizer's parameters, made again when a param group's list of parameters
+    is another or of another length (``add_param_group``, a list replaced)."""
+    groups = opt.param_groups
+    e = _PARAMS.get(opt)
+    if e is not None and len(e[0]) == len(groups) and all(
+            g["params"] is lst and len(lst) == n for g, (lst, n) in zip(groups, e[0])):
+        return e[1]
+    ids = {id(p) for g in groups for p in g["params"]}
+    # (the parameters held with their ids, so that an id stays its parameter's)
+    _PARAMS[opt] = (tuple((g["params"], len(g["params"])) for g in groups), ids, tuple(p for g in groups
+                                                                                    for p in g["params"]))
+    return ids
+
+
 # templates kept per plan (one per optimizer and set of parameters reached; the oldest goes first)
 _MAX_TEMPLATES = 16
 
@@ -412,8 +431,6 @@ class _Template:
     when a scheduler changes the rate) and Adam's float64 step counts."""
 
     def __init__(self, opt, plan, leaves, hooked):
-        import weakref
-
         self.kind = _kind(opt)
         self.plain: list = []  # (reason, number of parameters), counted on every call
         self.items: list = []  # (slot, param, group index)
@@ -421,10 +438,11 @@ class _Template:
         self.last = None  # the last call's Fuse, reused while it holds (FusedCall._reuse)
         self.hooked = hooked
         self.opt = weakref.ref(opt)
-        # what it was made for (:meth:`holds`): the reached leaves (weakly: an input that requires
-        # grad is one too), the param groups, their lists of parameters and why a group is not fused
-        self.leaves = tuple(weakref.ref(v) for v in leaves)
+        # what it was made for (:meth:`holds`): the param groups, their lists of parameters and why
+        # a group is not fused. The reached parameters are the ids in its key: held here, so that
+        # their ids stay theirs
         self.groups = tuple((g, g["params"], len(g["params"]), self._group_reason(g)) for g in opt.param_groups)
+        self.held = tuple(p for g in opt.param_groups for p in g["params"])
         kind = self.kind
         if kind is None:
             self.plain.append((f"{type(opt).__name__}: no fused update for this optimizer class", _n_params(opt)))
@@ -465,14 +483,12 @@ class _Template:
     def _group_reason(self, group):
         return _group_reason(self.kind, group) if self.kind is not None else None
 
-    def holds(self, opt, leaves, hooked) -> bool:
-        """Whether this template is the one for this call: the same optimizer with the same step
-        hooks, the same reached leaves, the same param groups with the same parameter lists."""
-        if self.opt() is not opt or self.hooked != hooked or len(self.leaves) != len(leaves):
+    def holds(self, opt, hooked) -> bool:
+        """Whether this template, found by the ids of ``opt`` and of the parameters the call
+        reaches, is the one for this call: the same optimizer with the same step hooks, the same
+        param groups with the same parameter lists."""
+        if self.opt() is not opt or self.hooked != hooked:
             return False
-        for r, v in zip(self.leaves, leaves):
-            if r() is not v:
-                return False
         groups = opt.param_groups
         if len(groups) != len(self.groups):
             return False
@@ -516,9 +532,12 @@ class FusedCall:
         # the same structure can reach other parameters (another head, other experts)
         leaves = _reached(plan, nodes)
         hooked = _has_step_hooks(opt)
-        key = (id(opt), *map(id, leaves))
+        # (by the optimizer's parameters among them: another leaf, an input that requires grad
+        # made anew each step, changes nothing the template holds)
+        ids = _param_ids(opt)
+        key = (id(opt), *[i if i in ids else None for i in map(id, leaves)])
         tpl = templates.get(key)
-        if tpl is None or not tpl.holds(opt, leaves, hooked):
+        if tpl is None or not tpl.holds(opt, hooked):
             templates.pop(key, None)
             while len(templates) >= _MAX_TEMPLATES:
                 del templates[next(iter(templates))]
