@@ -400,7 +400,7 @@ def _reached(plan, nodes) -> list:
     return [nodes[ai].variable for ai, _ in plan.acc_sinks] + [nodes[ai].variable for ai in plan.live_acc_bytes]
 
 
-# optimizer -> (its groups' parameter lists and their lengths, the ids of its parameters)
+# optimizer -> (its groups' parameter lists and their lengths, the ids of its parameters, them)
 _PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -414,8 +414,8 @@ def _param_ids(opt) -> set:
         return e[1]
     ids = {id(p) for g in groups for p in g["params"]}
     # (the parameters held with their ids, so that an id stays its parameter's)
-    _PARAMS[opt] = (tuple((g["params"], len(g["params"])) for g in groups), ids, tuple(p for g in groups
-                                                                                    for p in g["params"]))
+    held = tuple(p for g in groups for p in g["params"])
+    _PARAMS[opt] = (tuple((g["params"], len(g["params"])) for g in groups), ids, held)
     return ids
 
 
@@ -559,8 +559,8 @@ class FusedCall:
         """Whether the last call's Fuse holds for this one: the same state dicts and state tensors,
         the same group constants, no ``.grad`` on a fused parameter (accumulated micro-batches
         build it anew; a Fuse built with them is never kept), every parameter with its state
-        (``had_state``). The template is already the one of the parameters this call reaches. Then only the learning
-        rates are refreshed (what :meth:`_fuse` would build is the same)."""
+        (``had_state``); the template is already the one of the parameters this call reaches.
+        Then only the learning rates are refreshed (what :meth:`_fuse` would build is the same)."""
         opt = self.opt
         state_of, groups, consts, checks = f.check
         if opt.state is not state_of or len(opt.param_groups) != len(groups):
