@@ -276,3 +276,24 @@ def test_tensor_hook_closing_over_its_node_is_collected():
     (which the collector does not traverse) kept it alive forever (torch's test_hook_closure_cycle)."""
     assert _hook_closure_cycle(False) == (2, True, True)
     assert _hook_closure_cycle(True) == (2, True, True)
+
+
+def _scripted_grad(routed: bool):
+    x = torch.ones(3, requires_grad=True)
+    ctx = rt.compiled_autograd("aot_eager") if routed else torch.enable_grad()
+    with ctx:
+
+        @torch.jit.script
+        def grad_in_script(middle, orig_x):
+            y = middle + middle**2
+            return torch.autograd.grad([y.sum()], [orig_x], retain_graph=True)
+
+        (g,) = grad_in_script(x * 2, x)
+    return g
+
+
+def test_torchscript_calls_grad_inside_compiled_autograd():
+    """A TorchScript function that calls ``torch.autograd.grad``, scripted inside a
+    ``compiled_autograd`` block: TorchScript compiled vjpgen's patched function from its source and
+    failed ("undefined value _stack"; torch's test_fork_join_in_middle)."""
+    torch.testing.assert_close(_scripted_grad(True), _scripted_grad(False))

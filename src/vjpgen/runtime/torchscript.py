@@ -49,3 +49,16 @@ def is_fused_node(node) -> bool:
         return FUSED_NODE in node.name()
     except Exception:  # a node without a name
         return False
+
+
+def register_builtins(patched_grad, patched_backward) -> None:
+    """TorchScript compiles ``torch.autograd.grad`` / ``torch.autograd.backward`` as its builtins
+    ``aten::grad`` / ``aten::backward``, found by the identity of the function object; inside a
+    ``compiled_autograd`` block those attributes are vjpgen's functions, which TorchScript then
+    tried to compile from their Python source ("undefined value _stack"; PyTorch's
+    test_fork_join_in_middle). Registered as the same builtins, scripted code calls torch's engine
+    as it does outside the block."""
+    from torch.jit import _builtins
+
+    _builtins._register_builtin(patched_grad, "aten::grad")
+    _builtins._register_builtin(patched_backward, "aten::backward")
