@@ -320,12 +320,22 @@ def report(eager: dict, routed: dict, backend: str, header: list | None = None, 
     return "\n".join(lines) + "\n"
 
 
+def _git(*args) -> str:
+    r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    return r.stdout.strip() if r.returncode == 0 else "?"
+
+
 def _header(a, argv) -> list:
     import torch
 
     data = Path(a.test_file).read_bytes()
+    dirty = len([ln for ln in _git("status", "--porcelain", "--", "src").splitlines() if ln.strip()])
+    own = f"`python -m tests.autograd_suite {shlex.join(argv)}`"
     return [
-        f"- command: `{a.command or 'python -m tests.autograd_suite ' + shlex.join(argv)}`",
+        f"- command: `{a.command}`" if a.command else f"- command: {own}",
+        *([f"- report written from saved runs by {own}"] if a.command and (a.eager_results or a.routed_results) else []),
+        f"- vjpgen at {_git('rev-parse', '--short', 'HEAD')}"
+        + (f" (+ {dirty} uncommitted files under src/ of other work in progress in this tree)" if dirty else ""),
         f"- test file: `{Path(a.test_file).name}`, sha256 `{hashlib.sha256(data).hexdigest()}`"
         + (f", {a.source}" if a.source else ""),
         f"- torch {torch.__version__} (git {torch.version.git_version}); backend {a.backend!r}; "
