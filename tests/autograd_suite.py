@@ -340,6 +340,7 @@ def _header(a, argv) -> list:
         + (f", {a.source}" if a.source else ""),
         f"- torch {torch.__version__} (git {torch.version.git_version}); backend {a.backend!r}; "
         f"per-test timeout {a.timeout} s; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        *[f"- {n}" for n in a.note],
         "",
     ]
 
@@ -358,6 +359,7 @@ def main(argv=None) -> int:
                     help="a saved routed run from before the fixes: the report lists what it failed and now passes")
     ap.add_argument("--source", default=os.environ.get("TEST_AUTOGRAD_SOURCE", ""),
                     help="where the file comes from (recorded in the report), e.g. 'pytorch/pytorch@<commit>'")
+    ap.add_argument("--note", action="append", default=[], help="a line for the report's header (repeatable)")
     ap.add_argument("--command", default=os.environ.get("TEST_AUTOGRAD_COMMAND", ""),
                     help="the command to record in the report (default: this one)")
     ap.add_argument("pytest_args", nargs="*", help="passed to both pytest runs (e.g. -k Hooks)")
