@@ -297,3 +297,23 @@ def test_torchscript_calls_grad_inside_compiled_autograd():
     ``compiled_autograd`` block: TorchScript compiled vjpgen's patched function from its source and
     failed ("undefined value _stack"; torch's test_fork_join_in_middle)."""
     torch.testing.assert_close(_scripted_grad(True), _scripted_grad(False))
+
+
+def test_reduce_prod_double_backward_with_two_zeros_in_a_slot_raises_as_eager():
+    """scatter_reduce / index_reduce ``prod`` with two zeros of src in one slot: eager's first-order
+    grad of src goes through a DelayedError node, so double backward raises; the helper port left
+    it out and the double backward returned a wrong value (torch's
+    test_scatter_index_reduce_prod_gradgrad_error). With one zero it stays differentiable."""
+    from torch.autograd import gradgradcheck
+
+    idx = torch.tensor([0, 0])
+    for routed in (False, True):
+        ctx = rt.compiled_autograd("aot_eager") if routed else torch.enable_grad()
+        with ctx:
+            inp = torch.tensor([1.0], dtype=torch.float64, requires_grad=True)
+            two = torch.tensor([0.0, 0.0], dtype=torch.float64, requires_grad=True)
+            for fn in (torch.scatter_reduce, torch.index_reduce):
+                with pytest.raises(RuntimeError, match="Double backward is unsupported for"):
+                    gradgradcheck(fn, (inp, 0, idx, two, "prod"))
+            one = torch.tensor([0.0, 2.0], dtype=torch.float64, requires_grad=True)
+            assert gradgradcheck(torch.scatter_reduce, (inp, 0, idx, one, "prod"))

@@ -78,13 +78,19 @@ def embedding_dense_double_backward_symint(
     return gg_weight.view(*indices.shape, -1)
 
 
-def _exclusive_prod_grads(grad, self, src, result, *, reduce_fn, add_fn, select_fn):
+def _exclusive_prod_grads(grad, self, src, result, *, reduce_fn, add_fn, select_fn, op="", src_name="src"):
     """Shared ``prod`` branch of scatter_reduce / index_reduce backward.
 
     ``reduce_fn(t, src)`` re-runs the forward reduction into ``t``; ``add_fn(t, src)`` sums
     ``src`` into ``t`` along the same index map; ``select_fn(t)`` reads ``t`` back at the
     scattered positions (``gather`` / ``index_select``). Zeros are handled exactly: a
     position's gradient is the product of everything *else* reduced into its slot.
+
+    When the src grad is differentiable (grad mode, a create_graph backward) and two zeros of
+    ``src`` meet in one slot, it goes through a ``DelayedError`` node, as the C++ does: its double
+    backward raises instead of returning a wrong value. The check reads values: a trace of a
+    differentiable src grad cannot make it (vjpgen then runs that node as eager's), one of a
+    first-order formula never does.
     """
     masked_self = self.masked_fill(self == 0, 1)
     grad_self = grad * reduce_fn(masked_self, src) / masked_self
@@ -100,6 +106,10 @@ def _exclusive_prod_grads(grad, self, src, result, *, reduce_fn, add_fn, select_
         select_fn(grad * masked_src_result),
         select_fn(grad * result) / src.masked_fill(src_zero, 1),
     )
+    if torch.is_grad_enabled() and grad_src.requires_grad and bool(src_num_zeros.gt(1).any()):
+        grad_src = torch._C._functions.DelayedError(
+            f"{op}(): Double backward is unsupported for {src_name} when >1 zeros in {src_name} are "
+            "scattered to the same position in self", 1)(grad_src)
     return grad_self, grad_src
 
 
@@ -126,9 +136,8 @@ def scatter_reduce_backward(
 
     When ``include_self`` is false the scattered-to positions of ``grad_self`` are zeroed.
     Raises ``RuntimeError`` for any other ``reduce``. Complex inputs are not handled (as in
-    C++). The C++ ``prod`` branch additionally inserts a ``DelayedError`` node for double
-    backward when two zeros meet in a slot (a data-dependent check); that only affects
-    higher-order autograd and is omitted here.
+    C++). Like the C++ ``prod`` branch, in grad mode the src grad goes through a ``DelayedError``
+    node when two zeros meet in a slot (its double backward raises).
 
     Mirrors FunctionsManual `scatter_reduce_backward`.
     """
@@ -148,6 +157,7 @@ def scatter_reduce_backward(
             ),
             add_fn=lambda t, s: t.scatter_add(dim, index, s),
             select_fn=lambda t: t.gather(dim, index),
+            op="scatter_reduce",
         )
     elif reduce == "mean":
         n = torch.ones_like(grad) if include_self else torch.zeros_like(grad)
@@ -189,8 +199,8 @@ def index_reduce_backward(
     (``index_add`` / ``index_select`` instead of ``scatter_add`` / ``gather``). Returns
     ``(grad_self, grad_source)``; ``reduce`` is one of ``prod``, ``mean``, ``amax``,
     ``amin`` (else ``RuntimeError``). When ``include_self`` is false the indexed slices of
-    ``grad_self`` are zeroed. The ``prod`` double-backward ``DelayedError`` of the C++ is
-    omitted (data-dependent, higher-order only).
+    ``grad_self`` are zeroed. The ``prod`` double-backward ``DelayedError`` is kept (see
+    :func:`_exclusive_prod_grads`).
 
     Mirrors FunctionsManual `index_reduce_backward`.
     """
@@ -205,6 +215,8 @@ def index_reduce_backward(
             reduce_fn=lambda t, s: t.index_reduce(dim, index, s, reduce, include_self=include_self),
             add_fn=lambda t, s: t.index_add(dim, index, s),
             select_fn=lambda t: t.index_select(dim, index),
+            op="index_reduce",
+            src_name="source",
         )
     elif reduce == "mean":
         n = torch.ones_like(grad) if include_self else torch.zeros_like(grad)
