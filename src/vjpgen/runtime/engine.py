@@ -716,7 +716,8 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
     for (s, g), (ri, nr) in zip(zip(plan.root_slots, root_grads), plan.root_edges):
         if not own:
             m = metas[ri][nr]
-            g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
+            if not m.is_nested_tensor:  # a nested tensor's metadata has no plain shape (its nodes run live)
+                g = capture.validate_grad(g, m.shape, m.dtype, m.device, "for a root")
         ctx.protected.add(id(g))
         buf[s] = g if buf[s] is None else buf[s] + g
     early = plan.acc_early
