@@ -116,6 +116,13 @@ TRIAGE: list = [
     (r"test_warning_in_backward_", "fixed", "warn_backwards helper's message (helpers/core.py)"),
     (r"test_saved_variables_deprecated$", "fixed", "ctx.saved_variables did not warn (custom_function.py)"),
     (r"test_hook_closure_cycle_", "fixed", "tensor hook dict held strongly in node metadata: cycle never collected (hooks.py)"),
+    (r"test_scatter_index_reduce_prod_gradgrad_error_", "fixed",
+     "wrong double-backward value: scatter_reduce/index_reduce prod with two zeros in a slot; the helper port "
+     "omitted FunctionsManual's DelayedError (helpers/indexing.py)"),
+    (r"TestAutogradMultipleDispatch.*test_(autograd_composite_implicit_and_dispatch_registration|"
+     r"autograd_multiple_dispatch_registrations|per_dispatch_key_input_saving)_", "fixed",
+     "nested tensor root: its grad was validated against the metadata's shape, which raises for a nested "
+     "tensor (engine.py)"),
     (r"test_fork_join_in_middle$", "fixed",
      "TorchScript compiled vjpgen's patched torch.autograd.grad from source (torchscript.py)"),
     ("err:^RuntimeError: Calling register_hooks on a saved tensor whose hooks have already been set", "fixed",
@@ -175,18 +182,9 @@ TRIAGE: list = [
     (r"test_saved_variable_saved_original_inplace_detach$", "left",
      "a saved input detached in place (a.detach_()) must make backward raise 'Trying to use a saved "
      "tensor that has been detached'; vjpgen reads the saved tensor without SavedVariable::unpack's check"),
-    (r"test_scatter_index_reduce_prod_gradgrad_error_", "left",
-     "WRONG VALUE where eager refuses: scatter_reduce/index_reduce prod with two zeros in one slot; "
-     "FunctionsManual puts a DelayedError on the double backward, the Python port "
-     "(helpers/indexing.py) omits it (data dependent), so gradgradcheck gets a wrong second derivative "
-     "instead of 'Double backward is unsupported'"),
     (r"test_inplace_on_view_modify_base_", "left",
      "gradgradcheck's batched-grad check (vmap over the create_graph backward, is_grads_batched) of an "
      "in-place op on a base whose earlier view is the output (CopySlices/AsStrided) disagrees under vjpgen"),
-    (r"TestAutogradMultipleDispatch.*test_(autograd_composite_implicit_and_dispatch_registration|"
-     r"autograd_multiple_dispatch_registrations|per_dispatch_key_input_saving)_", "left",
-     "nested (jagged/strided NT) roots: engine.py validates a root grad against _input_metadata's shape, "
-     "which raises 'std::get: wrong index for variant' for a nested tensor's metadata"),
     (r"test_lobpcg$", "left", "slow: each gradcheck call compiles new graphs (aot_eager); passes within 60 s "
      "on an idle machine"),
 ]
