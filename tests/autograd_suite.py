@@ -151,12 +151,14 @@ TRIAGE: list = [
      "by sequence number. Values are equal; only the interleaving of hooks on different branches differs"),
     (r"test_prehook_ordering$", "left",
      "backward(inputs=[non-leaf b]): the engine marks b.grad_fn as needed and executes it (its node pre "
-     "hooks run: log [1, 2, 2]); vjpgen captures b's grad without executing b.grad_fn, so only the tensor "
-     "hook runs (log [1]). In api/engine (targets), not a small change"),
+     "hooks and post hooks run: log [1, 2, 2]); vjpgen captures b's grad without executing b.grad_fn, so "
+     "only the tensor hook runs (log [1], no post hook; measured). In api/engine (targets), not a small "
+     "change"),
     (r"test_no_grad_copy(_sparse)?$", "left",
-     "buffer stealing: a custom Function returns the same grad tensor for two inputs; the engine moves it "
-     "into one leaf's .grad and clones it for the other, vjpgen clones it for both (values equal; the test "
-     "checks data_ptr identity)"),
+     "buffer stealing: a custom Function returns its incoming grad for two inputs; the engine clones it for "
+     "the first leaf and moves it into the second one's .grad (the last reference), vjpgen protects a "
+     "passed-through grad and clones it for both (measured: values equal, no .grad shares the buffer; the "
+     "test checks data_ptr identity)"),
     (r"test_deep_reentrant$", "left",
      "a reentrant backward 2000 levels deep: each level is a nested vjpgen call on the same Python thread "
      "and hits Python's recursion limit; the engine moves deep reentrant backwards to a new thread"),
