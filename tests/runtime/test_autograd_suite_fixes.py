@@ -337,3 +337,55 @@ def test_nested_tensor_root_grad_as_eager():
     torch's TestAutogradMultipleDispatch tests)."""
     for got, expected in zip(_nested_root_backward(True), _nested_root_backward(False)):
         torch.testing.assert_close(got, expected)
+
+
+def _checkpoint_errors(routed: bool) -> list:
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    errors = []
+
+    def ctx():
+        return rt.compiled_autograd("aot_eager") if routed else torch.enable_grad()
+
+    # a recompute that saves fewer tensors than the forward did
+    counter = [0]
+
+    def fn(x):
+        counter[0] += 1
+        out = x.sin().exp()
+        return out.sin() if counter[0] == 1 else out
+
+    a = torch.randn(1, requires_grad=True)
+    with ctx():
+        try:
+            checkpoint(fn, a, use_reentrant=False).backward()
+        except RuntimeError as e:
+            errors.append((type(e).__name__, str(e).split("\n")[0]))
+
+    # selective checkpoint: a cached (MUST_SAVE) tensor mutated by the forward
+    def policy(ctx_, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.sin.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = torch.randn(3, requires_grad=True)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    out = checkpoint(lambda t: t.sin().mul_(2).cos().exp(), x, use_reentrant=False, context_fn=context_fn)
+    with ctx():
+        try:
+            out.sum().backward()
+        except RuntimeError as e:
+            errors.append((type(e).__name__, str(e).split("\n")[0]))
+    return errors
+
+
+def test_checkpoint_unpack_errors_as_eager():
+    """torch.utils.checkpoint's unpack hook raising (a recompute that saves a different number of
+    tensors; a selectively cached tensor mutated): vjpgen took the error for an untraceable node and
+    ran it live, whose second unpack raised another error ("Trying to backward an extra time";
+    torch's test_checkpoint_detects_non_determinism, TestSelectiveActivationCheckpoint's
+    test_version_counter). The unpack's own error propagates, as in eager."""
+    expected = _checkpoint_errors(False)
+    assert len(expected) == 2 and "different number of tensors" in expected[0][1]
+    assert "has been mutated" in expected[1][1]
+    assert _checkpoint_errors(True) == expected

@@ -439,6 +439,16 @@ def _guard_break(region, plan, nodes, metas, buf, ctx) -> None:
     _interpret(region, plan, nodes, metas, buf, ctx, reasons)
 
 
+def _raised_by_checkpoint(exc) -> bool:
+    """Whether ``exc`` was raised inside ``torch/utils/checkpoint.py`` (a saved tensor's unpack hook)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext):
     """The general path of :func:`_run_region`: flatten, look up, trace and compile on a miss.
     Returns (Compiled, T, I), or Nones when the region had to be interpreted.
@@ -452,6 +462,11 @@ def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallC
         if isinstance(e.exc, RuntimeError) and _SECOND_BACKWARD in str(e.exc):
             interpret_until_error(region, plan, nodes, metas, buf, ctx)  # not a graph break
             return None, None, None
+        if _raised_by_checkpoint(e.exc):
+            # torch.utils.checkpoint's unpack hook refused (recompute mismatch, a mutated cached
+            # tensor): eager's error. Its unpack has run, so the live node would unpack a second
+            # time and raise another error instead
+            raise e.exc
         _break_region(e, region, plan, nodes, metas, buf, ctx, "get_state")
         return None, None, None
     if decide.region_guard(T):  # the per-call guard: dense, plain tensors only (decide.py)
