@@ -222,8 +222,12 @@ def fakeify(tensors, ints, dyn_dims, dyn_ints):
 LOCK = threading.RLock()
 
 
-def trace(fn, fake_args) -> torch.fx.GraphModule:
-    with torch.no_grad():
+def trace(fn, fake_args, grad: bool = False) -> torch.fx.GraphModule:
+    """make_fx of ``fn`` over fake arguments. ``grad``: the kernels run in grad mode, as a
+    create_graph backward runs them, over fakes that require grad as the real inputs do: the
+    branches FunctionsManual takes only for a differentiable result (a ``DelayedError`` whose check
+    reads values, so the trace raises and that node runs as eager's) are taken here too."""
+    with torch.set_grad_enabled(grad):
         return make_fx(fn, tracing_mode="symbolic")(*fake_args)
 
 

@@ -417,7 +417,7 @@ def _compile_now(region, plan, S, T, I, dd, di, backend, lT, lI, order, family):
     present: list = []
     pyfn = engine._make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
     fargs = list(fakes) + [ivals[j] for j in dyn_ints]
-    gm = capture.trace(pyfn, fargs)
+    gm = capture.trace(pyfn, fargs, grad=True)
     out_fakes = _out_fakes(gm)
     guard = guard_src = None
     if dd or di:
