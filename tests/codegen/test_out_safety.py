@@ -203,6 +203,26 @@ def test_check_prints_a_diff_that_repairs_and_the_command_that_regenerates(tmp_p
         assert f"run `{cmd}`" in p.read_text().splitlines()[0], p
 
 
+def test_check_reports_a_stale_manifest_fingerprint(tmp_path, capsys):
+    """A generator edit that changes no module still changes the fingerprint: ``check`` names the
+    manifest (before, it compared the modules only and passed while the installed wheel's
+    up-to-date test failed), and its printed diff repairs it."""
+    out = tmp_path / "ste"
+    assert _generate(out) == 0
+    man = out / "_manifest.json"
+    good = man.read_text()
+    fp = re.search(r'"fingerprint": "([0-9a-f]+)"', good)[1]
+    man.write_text(good.replace(fp, "0" * len(fp)))
+    capsys.readouterr()
+    assert main(["check", "--overlay", str(STE), "--out", str(out)]) == 1
+    cap = capsys.readouterr()
+    assert "_manifest.json" in cap.err
+    r = subprocess.run(["patch", "-p1", "-s"], cwd=out, input=cap.out, text=True, capture_output=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert man.read_text() == good
+    assert main(["check", "--overlay", str(STE), "--out", str(out)]) == 0
+
+
 def test_check_diff_is_bounded(tmp_path, capsys):
     out = tmp_path / "ste"
     assert _generate(out) == 0
