@@ -362,8 +362,10 @@ def test_float32_forces_compiled():
         torch.testing.assert_close(a, b)
 
 
-def test_inductor_forces_default_settings():
-    """One shared Inductor case: the forces-compiled structure under default settings."""
+def test_inductor_forces_default_settings(monkeypatch):
+    """One shared Inductor case: the forces-compiled structure under default settings, under
+    ``VJPGEN_CHECK=1`` (every compiled graph also run eagerly: Inductor's values pass its check)."""
+    monkeypatch.setenv("VJPGEN_CHECK", "1")
     ref, _ = _eager("potential")
     out, _ = _train(WORKLOADS["potential"], "forward", {"compiler": "inductor"})
     for a, b in zip(out, ref):

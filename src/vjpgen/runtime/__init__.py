@@ -33,8 +33,10 @@ _torchscript.register_builtins(_api._patched_autograd_grad, _api._patched_autogr
 from .explain import explain  # noqa: E402
 from .kernels import use_kernels  # noqa: E402
 from .stats import reset_stats, stats  # noqa: E402
+from .capture import CheckError  # noqa: E402
 
 __all__ = [
+    "CheckError",
     "backward",
     "call_functional",
     "clear_cache",

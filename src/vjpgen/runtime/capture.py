@@ -638,7 +638,10 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str 
     inputs are off: the region cache has checked them already (see :mod:`vjpgen.runtime.cache`).
     """
     t0 = time.perf_counter()
+    ref = _reference(gm) if checking() and backend != "eager" else None
     fn = _compile_graph(gm, fake_args, backend, patches)
+    if ref is not None:
+        fn = _checked(fn, ref, label, backend_name(backend))
     if log.isEnabledFor(logging.INFO):  # (counting the ops is a walk of the graph: only when shown)
         log.info(
             "vjpgen: compiled %s (%d aten ops, %d inputs) with %s in %.2fs",
@@ -646,6 +649,79 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str 
             time.perf_counter() - t0,
         )
     return fn
+
+
+class CheckError(RuntimeError):
+    """``VJPGEN_CHECK=1``: a compiled graph returned values that the same graph run eagerly does not."""
+
+
+# relative tolerance per dtype, against the largest magnitude of the eager output: reordered
+# reductions stay orders of magnitude below these, a miscompile (a wrong index, a dropped term) not
+_CHECK_RTOL = {torch.float64: 1e-7, torch.complex128: 1e-7, torch.float32: 1e-3, torch.complex64: 1e-3,
+               torch.float16: 3e-2, torch.bfloat16: 3e-2}
+
+
+def checking() -> bool:
+    """``VJPGEN_CHECK=1`` (a debug mode, read at each compile): every graph vjpgen compiles (but
+    with the ``eager`` backend, which runs the graph itself) runs eagerly too (its aten ops, on copies of its inputs) on every
+    call, and a difference raises :class:`CheckError` naming the graph, so a miscompile is caught
+    instead of trained on. Doubles the work; the on-disk cache is bypassed."""
+    return os.environ.get("VJPGEN_CHECK", "0").strip() not in ("", "0")
+
+
+def _reference(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` to run eagerly, taken before a compiler rewrites it in place."""
+    g = torch.fx.Graph()
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    return torch.fx.GraphModule(gm, g)
+
+
+def _checked(fn, ref: torch.fx.GraphModule, label: str, compiler: str):
+    rtol_env = os.environ.get("VJPGEN_CHECK_RTOL")
+
+    def run(args: list) -> list:
+        with torch.no_grad():
+            want = ref(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+        got = fn(args)
+        for k, (g, w) in enumerate(zip(got, want)):
+            if not (isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor)):
+                continue
+            why = _difference(g, w, float(rtol_env) if rtol_env else None)
+            if why:
+                raise CheckError(
+                    f"vjpgen: VJPGEN_CHECK: {label} compiled with {compiler}: output {k} differs from the "
+                    f"same graph run eagerly ({why}); the compiled code is wrong: compile with 'aot_eager' "
+                    f"to train on eager's values, and report this graph (VJPGEN_LOG=debug shows it)"
+                )
+        return got
+
+    run._boxed_call = True
+    return run
+
+
+def _difference(got: torch.Tensor, want: torch.Tensor, rtol: float | None) -> str | None:
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} against {tuple(want.shape)}"
+    if got.dtype != want.dtype:
+        return f"dtype {got.dtype} against {want.dtype}"
+    if not (got.is_floating_point() or got.is_complex()):
+        return None if torch.equal(got, want) else "other values"
+    if got.numel() == 0:
+        return None
+    rtol = _CHECK_RTOL.get(got.dtype, 1e-3) if rtol is None else rtol
+    w = want.detach().to(torch.complex128 if want.is_complex() else torch.float64)
+    g = got.detach().to(w.dtype)
+    if not torch.equal(g.isnan(), w.isnan()):
+        return "NaNs at other positions"
+    finite = w.isfinite() & g.isfinite()
+    if not torch.equal(g[~finite], w[~finite]):
+        return "other infinities"
+    scale = float(w[finite].abs().max()) if finite.any() else 0.0
+    err = float((g[finite] - w[finite]).abs().max()) if finite.any() else 0.0
+    if err > rtol * max(scale, torch.finfo(torch.float32).tiny):
+        return f"max error {err:.3g} at scale {scale:.3g}: over {got.dtype}'s rtol {rtol:g}"
+    return None
 
 
 def backend_name(backend) -> str:

@@ -311,7 +311,7 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
     updates traced after the region's grads (:class:`vjpgen.runtime.fused_optim.Fuse`): its tensors
     (parameters, optimizer state, hyper-parameters) follow the region's inputs, and it wraps the
     region's function."""
-    dkey = None if fuse is not None else disk_cache.region_key(region, plan, S, T, I, dd, di, backend)
+    dkey = None if fuse is not None or capture.checking() else disk_cache.region_key(region, plan, S, T, I, dd, di, backend)
     if dkey is not None:
         e = disk_cache.load(dkey)
         if e is not None:  # compiled by an earlier process (disk_cache.py): no trace, no compile
