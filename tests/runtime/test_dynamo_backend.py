@@ -470,12 +470,13 @@ def test_saved_input_changed_in_place_raises_even_as_a_new_tensor(monkeypatch):
 
 
 def test_fallback_to_aot_autograd_is_counted_and_matches_eager():
-    """A graph whose output aliases an input (a view of it) goes to torch's AOTAutograd, counted
-    with its reason; its grads are still eager's."""
+    """A graph vjpgen leaves to torch's AOTAutograd (here: an output aliases an input through
+    ``as_strided``, which vjpgen does not replay) is counted with its reason; its grads are still
+    eager's."""
     x = torch.randn(3, 4, requires_grad=True)
 
     def f(x):
-        return x.t(), (x * 2).sin().sum()
+        return x.as_strided((2, 2), (1, 4)), (x * 2).sin().sum()
 
     grads = []
     for fn in (f, _compiled(f)):
@@ -486,6 +487,39 @@ def test_fallback_to_aot_autograd_is_counted_and_matches_eager():
     _close(grads[0], grads[1], "x.grad")
     b = _backend()
     assert b["fallbacks"] == 1 and "output 0 aliases an input" in b["fallback_reasons"], b
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_outputs_that_view_an_input_are_views_as_in_eager(create_graph):
+    """Outputs that are views of inputs (schnetpack's representation returns ``idx_m[-1]``; a
+    model may return ``x.t()``) are computed by their view ops on the real inputs beside the
+    compiled graph: aliases of their inputs with eager's autograd view nodes, no fallback to
+    AOTAutograd (whose backward refused the double backward of forces computed inside)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.double, requires_grad=True)
+    idx = torch.tensor([0, 0, 1, 2])
+
+    def f(x, w, idx):
+        e = (x @ w).tanh().pow(2).sum()
+        if create_graph:
+            (g,) = torch.autograd.grad(e, x, create_graph=True)
+            e = e + g.pow(2).sum()
+        return idx[-1], x.t(), e
+
+    x0 = torch.randn(3, 4, dtype=torch.double)
+    out = []
+    for fn in (f, _compiled(f)):
+        w.grad = None
+        x = x0.clone().requires_grad_()
+        last, xt, e = fn(x, w, idx)
+        assert last._base is idx and xt._base is x  # aliases, as eager's
+        (e + xt.pow(3).sum()).backward()
+        out.append((int(last), w.grad.clone(), x.grad.clone()))
+    assert out[0][0] == out[1][0]
+    _close(out[0][1], out[1][1], "w.grad")
+    _close(out[0][2], out[1][2], "x.grad")
+    b = _backend()
+    assert b["fallbacks"] == 0 and b["compiles"].get(1), b
 
 
 def test_custom_function_backward_is_traced_as_it_is():

@@ -79,9 +79,21 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
         record_fallback(f"a tensor subclass input ({type(sub).__name__})")
         return _inner_backend(opts)(gm, example_inputs)
     fakes, fake_mode = _fakeify(example_inputs)
+    views = None
     try:
-        cg = CompiledGraph.build(gm, fakes, fake_mode, opts["compiler"], order=1, label="graph",
-                                 patches=_mode_patches(opts))
+        try:
+            cg = CompiledGraph.build(gm, fakes, fake_mode, opts["compiler"], order=1, label="graph",
+                                     patches=_mode_patches(opts))
+        except joint.Unsupported as e:
+            # an output that is a view of an input (schnetpack returns ``idx_m[-1]``): computed by
+            # its view ops on the real input after the call, as eager computes it (an alias, with
+            # its own autograd view node), and the rest compiled
+            split = _split_view_outputs(gm) if "aliases an input" in str(e) else None
+            if split is None:
+                raise
+            main, views = split
+            cg = CompiledGraph.build(main[0], fakes, fake_mode, opts["compiler"], order=1, label="graph",
+                                     patches=_mode_patches(opts))
     except joint.Unsupported as e:
         record_fallback(str(e))
         return _inner_backend(opts)(gm, example_inputs)
@@ -97,7 +109,85 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
     if cg is None:  # no output requires grad: nothing differentiable
         b["inference_graphs"] += 1
         return _inner_backend(opts)(gm, example_inputs)
-    return cg.runtime()
+    if views is None:
+        return cg.runtime()
+    return _with_views(cg.runtime(), main[1], views[0], views[1])
+
+
+# the ops an output may be computed by to be recomputed eagerly beside the compiled graph: views
+# and other pure metadata ops (what an output that aliases an input is made of)
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "select", "narrow", "expand",
+    "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "t", "detach", "alias", "__getitem__",
+    "unbind", "split", "chunk", "diagonal", "movedim", "swapaxes", "swapdims", "real", "imag", "mT", "T",
+    "size", "dim", "numel", "stride",
+})
+
+
+def _view_fns():
+    import operator
+
+    fns = {operator.getitem}
+    for name in _VIEW_METHODS:
+        f = getattr(torch, name, None)
+        if callable(f):
+            fns.add(f)
+        f = getattr(torch.Tensor, name, None)
+        if callable(f):
+            fns.add(f)
+    return fns
+
+
+def _split_view_outputs(gm: torch.fx.GraphModule):
+    """``((main_gm, main_positions), (views_gm, view_positions))``: ``gm`` split into the graph of
+    its outputs that are more than views of its inputs, and the graph of the others (their every op
+    a view or metadata op); both take ``gm``'s inputs. None when no output is such a view."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = out_node.args[0]
+    if not isinstance(outs, (tuple, list)):
+        return None
+    fns = _view_fns()
+    memo: dict = {}
+
+    def pure(n) -> bool:
+        if n not in memo:
+            if n.op in ("placeholder", "get_attr"):
+                memo[n] = True
+            elif n.op == "call_function" and n.target in fns or n.op == "call_method" and n.target in _VIEW_METHODS:
+                memo[n] = False  # (while its inputs are read)
+                memo[n] = all(pure(a) for a in n.all_input_nodes)
+            else:
+                memo[n] = False
+        return memo[n]
+
+    is_view = [isinstance(o, torch.fx.Node) and o.op != "placeholder" and pure(o) for o in outs]
+    if not any(is_view) or all(is_view):
+        return None
+
+    def sub(keep):
+        g = torch.fx.Graph()
+        vals = g.graph_copy(gm.graph, {})
+        g.output(tuple(v for v, k in zip(vals, keep) if k))
+        g.eliminate_dead_code()
+        return torch.fx.GraphModule(gm, g)
+
+    main_pos = [j for j, v in enumerate(is_view) if not v]
+    view_pos = [j for j, v in enumerate(is_view) if v]
+    return (sub([not v for v in is_view]), main_pos), (sub(is_view), view_pos)
+
+
+def _with_views(run, main_pos, views_gm, view_pos):
+    n = len(main_pos) + len(view_pos)
+
+    def run_with_views(*args):
+        outs = [None] * n
+        for j, o in zip(main_pos, run(*args)):
+            outs[j] = o
+        for j, o in zip(view_pos, views_gm(*args)):
+            outs[j] = o
+        return tuple(outs)
+
+    return run_with_views
 
 
 def _is_subclass(t) -> bool:
