@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .protocols import RegionKind
+
 
 class CallContext:
     """Per-call state shared with the sinks."""
@@ -9,13 +14,15 @@ class CallContext:
     __slots__ = ("protected", "graphs", "backend", "release", "acc_final", "kind", "sink", "create_graph",
                  "partial", "hooked", "breaks")
 
-    def __init__(self, backend, release: bool = False, kind=None, sink=None, create_graph: bool = False):
+    def __init__(self, backend, release: bool = False, kind: RegionKind | None = None, sink=None,
+                 create_graph: bool = False):
         self.protected = set()
         self.graphs = None
         self.backend = backend
         self.release = release  # no retain_graph: free saved tensors as the nodes run
         self.acc_final = None  # the acc sinks left for accumulate_leaves (set by execute)
-        # the kind of region (how a region finds, compiles and calls its graph) and the leaf sink of
+        # the kind of region (a protocols.RegionKind: how a region finds, compiles and calls its
+        # graph) and the leaf sink of
         # this call's order: engine.FirstOrder and leaves.accumulate_leaves at first order,
         # higher_order's differentiable ones with create_graph (the executor, lookup and miss
         # path, engine.execute and engine._run_region, are the same)

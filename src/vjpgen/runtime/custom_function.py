@@ -24,6 +24,8 @@ import contextlib
 
 import torch
 
+from .protocols import check_kernel_module
+
 _CONST_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout)
 
 
@@ -45,7 +47,8 @@ class _TracedCtx:
 
 
 class FunctionModule:
-    """The generated-module interface for the backward of one custom Function class."""
+    """The generated-module interface for the backward of one custom Function class (a
+    :class:`vjpgen.runtime.protocols.KernelModule`)."""
 
     SAVED = (
         "saved_tensors", "ctx_attributes", "materialize_grads", "output_metadata",
@@ -161,7 +164,8 @@ def module_for(node_cls) -> FunctionModule | None:
         fn_cls = getattr(node_cls, "_forward_cls", None)
         backward = getattr(fn_cls, "backward", None) if fn_cls is not None else None
         own = getattr(fn_cls, "vjpgen_module", None)  # a Function that brings its own module
-        if own is not None:
+        if own is not None:  # its contract, checked once (a clear error, not one mid-trace)
+            check_kernel_module(own, f"{fn_cls.__qualname__}.vjpgen_module")
             mod = own
         elif (backward is None or backward is torch.autograd.Function.backward
               or getattr(fn_cls, "vjp", None) is not torch.autograd.Function.vjp

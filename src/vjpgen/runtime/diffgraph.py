@@ -437,7 +437,7 @@ class BackendFnModule:
     compiled): the node's first-order backward is the graph's backward module (aten ops), traced
     into the runtime's region with the rest of its nodes. A create_graph call through it goes to
     torch.autograd (``FIRST_ORDER_ONLY``, decide.create_graph_reason), which runs the Function's
-    own differentiable backward."""
+    own differentiable backward. A :class:`vjpgen.runtime.protocols.KernelModule`."""
 
     NAME = "GraphFnBackward"
     SAVED = ("graph", "saved_tensors", "saved_sizes", "output_metadata")

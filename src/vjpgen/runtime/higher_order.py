@@ -325,7 +325,8 @@ class _DiffFn(torch.autograd.Function):
 class DiffFnModule:
     """The generated-module interface for :class:`_DiffFn`'s backward node: a graph walked later
     (the next ``grad``/``backward`` through a create_graph result) traces the node as the vjp of
-    the region's kernels, fused with the rest of its region, instead of calling it live."""
+    the region's kernels, fused with the rest of its region, instead of calling it live. A
+    :class:`vjpgen.runtime.protocols.KernelModule`."""
 
     NAME = "_DiffFnBackward"
     SAVED = ("tensors", "graph", "mask", "ints", "output_metadata")
