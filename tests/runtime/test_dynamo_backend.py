@@ -697,3 +697,23 @@ def test_forces_for_changing_atom_counts_compile_a_bounded_number_of_graphs():
     b = _backend()
     assert b["fallbacks"] == 0, b["fallback_reasons"]
     assert b["graphs"] == 2 and b["compiles"][1] == 2 and b["compiles"][2] <= 3, b
+
+
+def test_an_override_error_at_a_later_order_is_raised_not_run_uncompiled(monkeypatch):
+    """The user's override package failing while vjpgen builds the order-2 graph raises its
+    OverrideError, as at order 1 (it was counted as a fallback and the order ran uncompiled)."""
+    from vjpgen.runtime import diffgraph
+
+    real = diffgraph.CompiledGraph.build
+
+    def build(fn, fakes, fake_mode, compiler, order, *a, **k):
+        if order >= 2:
+            raise rt.kernels.OverrideError("overlay.yaml:3: TanhBackward0: a broken formula")
+        return real(fn, fakes, fake_mode, compiler, order, *a, **k)
+
+    monkeypatch.setattr(diffgraph.CompiledGraph, "build", staticmethod(build))
+    x = torch.randn(3, dtype=torch.double, requires_grad=True)
+    f = _compiled(lambda x: x.tanh().sum())
+    e = f(x)
+    with pytest.raises(rt.kernels.OverrideError, match="overlay.yaml:3"):
+        torch.autograd.grad(e, x, create_graph=True)  # (its grads are the order-2 graph's outputs)

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from . import api, capture, decide, joint
+from . import api, capture, decide, joint, kernels
 from .. import logs
 from .stats import STATS
 
@@ -251,6 +251,8 @@ class CompiledGraph:
                                        self.counters)
         except joint.Unsupported as e:
             reason = str(e)
+        except kernels.OverrideError:  # the user's own formula is wrong: say so, as at order 1
+            raise
         except Exception as e:  # noqa: BLE001 - the order runs uncompiled, with a warning
             reason = f"{type(e).__name__} while building the joint: {str(e).splitlines()[0][:200] if str(e) else ''}"
             log.warning("vjpgen backend: %s; order %d of this graph runs uncompiled (please report it)", reason, order)
