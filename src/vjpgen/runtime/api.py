@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import threading
 import warnings
 import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -24,7 +26,54 @@ log = logging.getLogger("vjpgen")
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 
-_PLANS: dict = {}
+class _PlanCache:
+    """The plans by graph structure, bounded: past ``VJPGEN_MAX_PLANS`` (default 1024) the least
+    recently used plan is dropped, with its compiled regions (counted in ``stats()
+    ["plan_evictions"]``), so a long-running process that keeps meeting new graph structures keeps
+    flat memory. A structure met again after its plan was dropped is planned and compiled again."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._d: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        plan = self._d.get(key)
+        if plan is not None:
+            try:
+                self._d.move_to_end(key)
+            except KeyError:  # dropped by another thread meanwhile
+                pass
+        return plan
+
+    def __setitem__(self, key, plan) -> None:
+        self._d[key] = plan
+        self._d.move_to_end(key)
+        while len(self._d) > self.maxsize:
+            self._d.popitem(last=False)
+            STATS.plan_evictions += 1
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def values(self) -> list:
+        return list(self._d.values())
+
+    def clear(self) -> None:
+        self._d.clear()
+
+
+def _max_plans() -> int:
+    v = os.environ.get("VJPGEN_MAX_PLANS", "1024")
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"VJPGEN_MAX_PLANS={v!r}: expected a positive integer") from None
+    if n < 1:
+        raise ValueError(f"VJPGEN_MAX_PLANS={v!r}: expected a positive integer")
+    return n
+
+
+_PLANS = _PlanCache(_max_plans())
 _RAN = weakref.WeakSet()  # the plans a call has executed (a plan's first call runs in a graph task)
 
 

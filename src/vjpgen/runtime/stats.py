@@ -30,6 +30,7 @@ class _Stats:
         self.eager_fallbacks = 0  # whole backward handed to torch.autograd (create_graph, ...)
         self.eager_fallback_reasons: Counter = Counter()
         self.plans = 0  # distinct graph structures seen
+        self.plan_evictions = 0  # plans dropped from the bounded plan cache (least recently used)
         # create_graph=True (runtime/higher_order.py), per order (1: the create_graph backward
         # itself, 2: the backward through its outputs, ...)
         self.higher_order = {

@@ -1,0 +1,50 @@
+"""The plan cache is bounded (issue 49): a process meeting ever-new graph structures keeps at most
+``maxsize`` plans, drops the least recently used one (counted), and a structure met again after its
+plan was dropped is planned again with eager's grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vjpgen.runtime as rt
+from vjpgen.runtime import api
+
+
+def _chain(x, k):
+    y = x
+    for j in range(k):  # k ops: a new graph structure per k
+        y = y.sin() if j % 2 else y * 1.5
+    return y.sum()
+
+
+def test_ever_new_structures_keep_the_plan_cache_bounded(monkeypatch):
+    monkeypatch.setattr(api._PLANS, "maxsize", 8)
+    rt.clear_cache()
+    rt.reset_stats()
+    x = torch.randn(4, dtype=torch.double, requires_grad=True)
+    with rt.compiled_autograd("eager"):
+        for k in range(1, 41):
+            x.grad = None
+            _chain(x, k).backward()
+            assert len(api._PLANS) <= 8
+    st = rt.stats()
+    assert st["plans"] == 40 and st["plan_evictions"] == 32, st
+    # the most recently used structure is kept, the first one was dropped and is planned again
+    for k in (40, 1):
+        x.grad = None
+        with rt.compiled_autograd("eager"):
+            _chain(x, k).backward()
+        got = x.grad.clone()
+        x.grad = None
+        _chain(x, k).backward()
+        torch.testing.assert_close(got, x.grad)
+    assert rt.stats()["plans"] == 41
+    rt.clear_cache()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_bad_bound_is_one_clear_error(value, monkeypatch):
+    monkeypatch.setenv("VJPGEN_MAX_PLANS", value)
+    with pytest.raises(ValueError, match="VJPGEN_MAX_PLANS"):
+        api._max_plans()
