@@ -58,6 +58,19 @@ class _PlanCache:
     def values(self) -> list:
         return list(self._d.values())
 
+    def items(self) -> list:
+        return list(self._d.items())
+
+    def keys(self) -> list:
+        return list(self._d.keys())
+
+    def __getitem__(self, key):
+        return self._d[key]
+
+    def update(self, plans) -> None:
+        for key, plan in dict(plans).items():
+            self[key] = plan
+
     def clear(self) -> None:
         self._d.clear()
 
