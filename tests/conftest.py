@@ -19,6 +19,10 @@ SLOW_FIRST = (
     "tests/test_bench_smoke.py",
     "tests/test_conformance_modes.py",
     "tests/runtime/test_semantics_matrix.py",  # ~250 small cases and a few Inductor ones
+    "tests/runtime/test_structures.py",  # the higher-order structure matrix, one Inductor case
+    "tests/runtime/test_fused_optim.py",
+    "tests/runtime/test_fused_optim_reach.py",
+    "tests/runtime/test_dynamo_backend.py",
     "tests/runtime/test_capture_direct.py",
     "tests/runtime/test_disk_cache.py",  # two processes, Inductor compiles in the first
     "tests/codegen/test_generate.py",
