@@ -638,7 +638,7 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str 
     inputs are off: the region cache has checked them already (see :mod:`vjpgen.runtime.cache`).
     """
     t0 = time.perf_counter()
-    ref = _reference(gm) if checking() and backend != "eager" else None
+    ref = copy_graph(gm) if checking() and backend != "eager" else None
     fn = _compile_graph(gm, fake_args, backend, patches)
     if ref is not None:
         fn = _checked(fn, ref, label, backend_name(backend))
@@ -663,17 +663,23 @@ _CHECK_RTOL = {torch.float64: 1e-7, torch.complex128: 1e-7, torch.float32: 1e-3,
 
 def checking() -> bool:
     """``VJPGEN_CHECK=1`` (a debug mode, read at each compile): every graph vjpgen compiles (but
-    with the ``eager`` backend, which runs the graph itself) runs eagerly too (its aten ops, on copies of its inputs) on every
-    call, and a difference raises :class:`CheckError` naming the graph, so a miscompile is caught
-    instead of trained on. Doubles the work; the on-disk cache is bypassed."""
+    with the ``eager`` backend, which runs the graph itself) runs eagerly too, its aten ops on
+    copies of its inputs, on every call, and a difference raises :class:`CheckError` naming the
+    graph, so a miscompile is caught instead of trained on. Doubles the work; the on-disk cache is
+    bypassed."""
     return os.environ.get("VJPGEN_CHECK", "0").strip() not in ("", "0")
 
 
-def _reference(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` to run eagerly, taken before a compiler rewrites it in place."""
+def copy_graph(gm: torch.fx.GraphModule, keep=None) -> torch.fx.GraphModule:
+    """A copy of ``gm`` (same inputs) that a compiler's in-place rewrites of ``gm`` leave alone;
+    ``keep``: one bool per output of a tuple-returning graph, the outputs the copy returns (the
+    ops only the others read are dropped)."""
     g = torch.fx.Graph()
     out = g.graph_copy(gm.graph, {})
+    if keep is not None:
+        out = tuple(v for v, k in zip(out, keep) if k)
     g.output(out)
+    g.eliminate_dead_code()
     return torch.fx.GraphModule(gm, g)
 
 

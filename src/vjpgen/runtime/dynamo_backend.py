@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from . import joint, kernels, torchscript
+from . import capture, joint, kernels, torchscript
 from .diffgraph import CompiledGraph
 from .diffgraph import record_fallback as _record
 from .stats import STATS
@@ -84,11 +84,11 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
         try:
             cg = CompiledGraph.build(gm, fakes, fake_mode, opts["compiler"], order=1, label="graph",
                                      patches=_mode_patches(opts))
-        except joint.Unsupported as e:
+        except joint.AliasedOutput:
             # an output that is a view of an input (schnetpack returns ``idx_m[-1]``): computed by
             # its view ops on the real input after the call, as eager computes it (an alias, with
             # its own autograd view node), and the rest compiled
-            split = _split_view_outputs(gm) if "aliases an input" in str(e) else None
+            split = _split_view_outputs(gm)
             if split is None:
                 raise
             main, views = split
@@ -164,16 +164,10 @@ def _split_view_outputs(gm: torch.fx.GraphModule):
     if not any(is_view) or all(is_view):
         return None
 
-    def sub(keep):
-        g = torch.fx.Graph()
-        vals = g.graph_copy(gm.graph, {})
-        g.output(tuple(v for v, k in zip(vals, keep) if k))
-        g.eliminate_dead_code()
-        return torch.fx.GraphModule(gm, g)
-
     main_pos = [j for j, v in enumerate(is_view) if not v]
     view_pos = [j for j, v in enumerate(is_view) if v]
-    return (sub([not v for v in is_view]), main_pos), (sub(is_view), view_pos)
+    return ((capture.copy_graph(gm, [not v for v in is_view]), main_pos),
+            (capture.copy_graph(gm, is_view), view_pos))
 
 
 def _with_views(run, main_pos, views_gm, view_pos):

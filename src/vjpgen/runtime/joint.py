@@ -41,6 +41,11 @@ class Unsupported(Exception):
     message); the caller uses torch's own AOTAutograd for it, counted."""
 
 
+class AliasedOutput(Unsupported):
+    """An output shares storage with an input (the backend recomputes outputs that are views of
+    inputs beside the compiled graph)."""
+
+
 # ------------------------------------------------------------------------------------------
 # the Inline region kind: kernels called on the traced tensors
 
@@ -234,7 +239,7 @@ def analyze(fn, fakes, fake_mode) -> JointMeta:
             if not isinstance(o, torch.Tensor):
                 raise Unsupported(f"output {j} is a {type(o).__name__}, not a tensor")
             if StorageWeakRef(o.untyped_storage()) in in_storage:
-                raise Unsupported(f"output {j} aliases an input")
+                raise AliasedOutput(f"output {j} aliases an input")
             kinds.append("tensor")
             if o.requires_grad and (o.dtype.is_floating_point or o.dtype.is_complex):
                 diff.append(j)
