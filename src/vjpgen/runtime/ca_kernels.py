@@ -497,14 +497,16 @@ def recording_backend(backend: str, graphs: list):
 
         return aot_autograd(fw_compiler=record, bw_compiler=record)
     if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        from torch._inductor.compile_fx import compile_fx
 
-        def inner(gm, example_inputs, **kwargs):
+        from . import inductor_fixes
+
+        def inner(gm, example_inputs, *args, **kwargs):
             graphs.append(gm)
-            return compile_fx_inner(gm, example_inputs, **kwargs)
+            return inductor_fixes.inner_compile(gm, example_inputs, *args, **kwargs)
 
         def inductor(gm, example_inputs):
-            return compile_fx(gm, example_inputs, inner_compile=inner)
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=inductor_fixes.config_patches())
 
         return inductor
     raise ValueError(f"recording_backend: backend {backend!r} is not 'aot_eager' or 'inductor'")

@@ -758,7 +758,7 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None):
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        from . import extern_ops
+        from . import extern_ops, inductor_fixes
 
         extern_ops.route(gm)
         hoist_reductions(gm)
@@ -766,17 +766,21 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None):
         seen: dict = {}
 
         def inner_compile(g, example_inputs, *args, **kwargs):
-            out = compile_fx_inner(g, example_inputs, *args, **kwargs)
+            with inductor_fixes.active():
+                out = compile_fx_inner(g, example_inputs, *args, **kwargs)
             ctx = torch._guards.TracingContext.try_get()
             seen.update(code=out, n_inputs=len(example_inputs), meta=getattr(ctx, "fw_metadata", None))
             return out
 
         # AOTAutograd's own cache would skip inner_compile (and with it the metadata _direct needs);
         # Inductor's FX graph cache below it still applies
+        # (inductor_fixes: workarounds for Inductor miscompiles, counted; its cache-key pass first,
+        # so a caller's patches may still override it)
         with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
             fn = compile_fx(
                 GmWrapper(gm, _identity), fake_args, inner_compile=inner_compile,
-                config_patches={**_INDUCTOR_PATCHES, "cpp_wrapper": cpp_wrapper(gm), **(patches or {})},
+                config_patches={**inductor_fixes.config_patches(), **_INDUCTOR_PATCHES, "cpp_wrapper": cpp_wrapper(gm),
+                                **(patches or {})},
             )
         return _direct(seen, len(fake_args)) or fn
     if callable(backend):

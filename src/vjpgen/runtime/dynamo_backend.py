@@ -207,10 +207,14 @@ def _inner_backend(opts):
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        patches = _mode_patches(opts)
-        if patches:
-            return lambda gm, ex: compile_fx(gm, ex, config_patches=patches)
-        return compile_fx
+        from . import inductor_fixes
+
+        # with vjpgen's workarounds for Inductor miscompiles (the lazily compiled backward too:
+        # they wrap the inner compile)
+        return lambda gm, ex: compile_fx(
+            gm, ex, inner_compile=inductor_fixes.inner_compile,
+            config_patches={**inductor_fixes.config_patches(), **(_mode_patches(opts) or {})},
+        )
     if compiler == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 

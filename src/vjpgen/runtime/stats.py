@@ -29,6 +29,9 @@ class _Stats:
         self.nodes_compiled_by_class: Counter = Counter()  # node classes put into compiled graphs
         self.eager_fallbacks = 0  # whole backward handed to torch.autograd (create_graph, ...)
         self.eager_fallback_reasons: Counter = Counter()
+        # graphs compiled by Inductor whose code one of vjpgen's workarounds for an Inductor bug
+        # changed (runtime/inductor_fixes.py), by workaround
+        self.inductor_workarounds: Counter = Counter()
         self.plans = 0  # distinct graph structures seen
         self.plan_evictions = 0  # plans dropped from the bounded plan cache (least recently used)
         # create_graph=True (runtime/higher_order.py), per order (1: the create_graph backward

@@ -1,0 +1,177 @@
+"""Workarounds for Inductor (CPU) miscompiles that vjpgen's graphs meet, applied to the graphs
+vjpgen compiles (not to the user's own ``torch.compile`` calls) and counted in
+``stats()["inductor_workarounds"]``. Each one has a repro in ``docs/repros/`` (without vjpgen).
+
+- ``tile2d_atomic_add``: a 2-D tiled (transposed) vectorized C++ kernel with an atomic-add store
+  (``index_put(accumulate=True)``, ``index_add``, the embedding backward) shifts the store's index
+  by the tile offset twice when the kernel runs on more than one thread (``CppTile2DKernel.store``
+  transforms the index, then ``CppVecKernel.store`` passes it to ``ops.index_expr``, which
+  transforms it again): wrong values, and writes past the output buffer (MACE's backward aborted
+  the process). The fix shifts it once: the store goes to ``CppVecKernel.store`` with the index
+  untransformed. No cost.
+- ``mutation_rename_after_recompute``: ``CppScheduling`` fuses a flat node with one of compatible
+  ranges (``COMPATIBLE_RANGES_NO_REDUCTION``) and recomputes the node's size and body
+  (``SchedulerNode.recompute_size_and_body``), which re-reads its dependencies from the body but
+  re-applies the node's ``mutation_renames`` only when it has fake dependencies. A node that read
+  a buffer after a scatter mutated it then depends on the buffer's name before the mutation, no
+  longer waits for the scatter, and reads the buffer before it (PaiNN's forces wrong by 2e-2).
+  The fix applies the renames after every recompute (as ``refresh_dependencies`` does). No cost.
+
+The patched methods are installed once, on the first vjpgen Inductor compile, and do something
+only inside :func:`active` (a context variable: another thread's compile is unaffected). Inductor's
+FX graph cache does not see a monkeypatch: :func:`config_patches` adds a no-op post-grad pass whose
+``uuid`` enters its key, so a graph compiled without these fixes is never served from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+
+from .stats import STATS
+
+log = logging.getLogger("vjpgen")
+
+# bump when a workaround changes: the FX graph cache key changes with it
+VERSION = 1
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vjpgen_inductor_fixes", default=None)
+_INSTALLED: dict = {}  # workaround name -> installed (False: torch's code no longer has the hook)
+
+
+def _note(name: str) -> None:
+    hit = _ACTIVE.get()
+    if hit is not None:
+        hit.add(name)
+
+
+def _install_tile2d(cpp) -> bool:
+    kernel = getattr(cpp, "CppTile2DKernel", None)
+    vec = getattr(cpp, "CppVecKernel", None)
+    if kernel is None or vec is None or not all(
+        hasattr(kernel, a) for a in ("store", "need_vec_transpose", "rename_indexing", "broadcast")
+    ):
+        return False
+    orig = kernel.store
+    config = cpp.config
+
+    def store(self, name, index, value, mode=None):
+        if (
+            _ACTIVE.get() is not None and mode == "atomic_add"
+            and (config.cpp.dynamic_threads or self.num_threads != 1)
+            and not self.need_vec_transpose(self.rename_indexing(index))
+        ):
+            _note("tile2d_atomic_add")
+            if not value.is_vec:
+                value = self.broadcast(value)
+            # CppVecKernel.store's ops.index_expr applies the tile's transform_indexing: once
+            return vec.store(self, name, index, value, mode)
+        return orig(self, name, index, value, mode)
+
+    store._vjpgen_fix = True
+    kernel.store = store
+    return True
+
+
+def _install_recompute_rename(scheduler) -> bool:
+    node_cls = getattr(scheduler, "SchedulerNode", None)
+    orig = getattr(node_cls, "recompute_size_and_body", None)
+    if orig is None or not hasattr(node_cls, "set_read_writes"):
+        return False
+
+    def recompute_size_and_body(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        renames = getattr(self, "mutation_renames", None)
+        if _ACTIVE.get() is not None and renames:
+            rw = self.read_writes.rename(renames)
+            if rw.reads != self.read_writes.reads or rw.writes != self.read_writes.writes:
+                _note("mutation_rename_after_recompute")
+                self.set_read_writes(rw)
+
+    recompute_size_and_body._vjpgen_fix = True
+    node_cls.recompute_size_and_body = recompute_size_and_body
+    return True
+
+
+def install() -> None:
+    """Install the patched methods (once; a torch whose code lacks a hook is logged, not patched)."""
+    if _INSTALLED:
+        return
+    import torch._inductor.codegen.cpp as cpp
+    import torch._inductor.scheduler as scheduler
+
+    for name, fn, mod in (
+        ("tile2d_atomic_add", _install_tile2d, cpp),
+        ("mutation_rename_after_recompute", _install_recompute_rename, scheduler),
+    ):
+        try:
+            _INSTALLED[name] = fn(mod)
+        except Exception as e:  # a changed Inductor: leave it as it is
+            log.warning("vjpgen: Inductor workaround %s not installed (%s: %s)", name, type(e).__name__, e)
+            _INSTALLED[name] = False
+        if not _INSTALLED[name]:
+            log.info("vjpgen: Inductor workaround %s not installed: this torch's code has no such method", name)
+
+
+def enabled() -> bool:
+    """``VJPGEN_INDUCTOR_FIXES=0`` turns the workarounds off (to measure them or to compare with a
+    fixed torch); read at each compile."""
+    return os.environ.get("VJPGEN_INDUCTOR_FIXES", "1").strip() not in ("0", "")
+
+
+@contextlib.contextmanager
+def active():
+    """Inside: the workarounds apply to Inductor compiles of this thread / task; on exit the ones
+    that changed the generated code count once each in ``stats()["inductor_workarounds"]``."""
+    if not enabled():
+        yield None
+        return
+    install()
+    hit: set = set()
+    token = _ACTIVE.set(hit)
+    try:
+        yield hit
+    finally:
+        _ACTIVE.reset(token)
+        for name in hit:
+            STATS.inductor_workarounds[name] += 1
+
+
+def inner_compile(gm, example_inputs, *args, **kwargs):
+    """Inductor's ``compile_fx_inner`` under :func:`active` (for ``compile_fx(inner_compile=...)``)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with active():
+        return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+
+class _CacheKey:
+    """A post-grad pass that does nothing: its ``uuid`` puts the workarounds' version into Inductor's
+    FX graph cache key (see the module docstring)."""
+
+    def __call__(self, graph) -> None:
+        return None
+
+    def uuid(self):
+        return f"vjpgen-inductor-fixes-{VERSION}"
+
+
+def config_patches() -> dict:
+    """Inductor config entries for a compile under :func:`active`: the cache-key pass, where the user
+    has not set a post-grad post pass of their own (then Inductor's FX graph cache is off for it)."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    if not enabled():
+        return {}
+    if config.post_grad_custom_post_pass is not None:
+        return {"fx_graph_cache": False}
+    global _KEY
+    if _KEY is None:
+        _KEY = type("VjpgenInductorFixes", (_CacheKey, CustomGraphPass), {})()
+    return {"post_grad_custom_post_pass": _KEY}
+
+
+_KEY = None

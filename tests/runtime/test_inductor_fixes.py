@@ -1,0 +1,105 @@
+"""vjpgen's workarounds for Inductor (CPU) miscompiles (runtime/inductor_fixes.py; repros without
+vjpgen in docs/repros/): the graphs vjpgen compiles give eager's values, and each workaround that
+changed a graph's code is counted."""
+
+import types
+
+import pytest
+import torch
+
+from vjpgen.runtime import capture, inductor_fixes, reset_stats, stats
+
+N, E, C = 20, 120, 16  # nodes, edges, channels: the shapes of MACE's aborting kernel
+
+
+def _scatter(a, b, idx):  # a: [C, E], so a.t() is edge-contiguous: Inductor tiles it in 2-D
+    s = a.t() * b
+    return torch.zeros(N, C).index_put((idx,), s, accumulate=True), torch.zeros(N, C).index_add(0, idx, s)
+
+
+@pytest.mark.timeout(120)
+def test_tile2d_atomic_add_gives_eagers_values_with_threads():
+    """Inductor shifts a 2-D tile's atomic-add index twice on more than one thread (13.9 off on
+    these inputs without the fix, past the buffer's end when the last row is indexed). vjpgen's
+    compiled graph matches eager, and the fix is counted."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    a, b = torch.randn(C, E), torch.randn(E, C)
+    idx = torch.randint(0, N - 1, (E,))  # never the last row: a regressed fix gives wrong values, not a crash
+    gm = make_fx(_scatter)(a, b, idx)
+    reset_stats()
+    fn = capture.compile_graph(gm, [a, b, idx], "inductor", "a scatter graph", {"cpp.threads": 2})
+    got = fn([a, b, idx])
+    for g, w in zip(got, _scatter(a, b, idx)):
+        torch.testing.assert_close(g, w)
+    assert stats()["inductor_workarounds"].get("tile2d_atomic_add", 0) >= 1
+
+
+class _ReadWrites:
+    def __init__(self, reads, writes=()):
+        self.reads, self.writes = frozenset(reads), frozenset(writes)
+
+    def rename(self, renames):
+        return _ReadWrites({renames.get(r, r) for r in self.reads}, {renames.get(w, w) for w in self.writes})
+
+
+def _fake_scheduler():
+    """A SchedulerNode whose recompute re-reads its dependencies without the mutation renames (what
+    torch 2.13's recompute_size_and_body does for a node without fake dependencies)."""
+
+    class SchedulerNode:
+        def __init__(self):
+            self.mutation_renames = {"buf75": "buf76"}  # it reads buf75 after a scatter mutated it
+            self.read_writes = _ReadWrites({"buf76", "buf3"}, {"buf90"})
+
+        def recompute_size_and_body(self, *args, **kwargs):
+            self.read_writes = _ReadWrites({"buf75", "buf3"}, {"buf90"})
+
+        def set_read_writes(self, rw):
+            self.read_writes = rw
+
+    return types.SimpleNamespace(SchedulerNode=SchedulerNode)
+
+
+def test_recompute_keeps_the_mutation_renames_inside_active_only():
+    mod = _fake_scheduler()
+    assert inductor_fixes._install_recompute_rename(mod)
+    node = mod.SchedulerNode()
+    node.recompute_size_and_body()
+    assert node.read_writes.reads == {"buf75", "buf3"}  # outside vjpgen's compiles: Inductor's own
+    reset_stats()
+    with inductor_fixes.active():
+        node = mod.SchedulerNode()
+        node.recompute_size_and_body()
+    assert node.read_writes.reads == {"buf76", "buf3"}  # waits for the scatter
+    assert stats()["inductor_workarounds"] == {"mutation_rename_after_recompute": 1}
+
+
+def test_torch_has_the_hooks_the_fixes_patch():
+    """A torch whose Inductor renamed these methods would silently lose the fixes: fail here instead
+    (then re-check the repros in docs/repros/ against that torch)."""
+    import torch._inductor.codegen.cpp as cpp
+    import torch._inductor.scheduler as scheduler
+
+    assert hasattr(cpp.CppTile2DKernel, "store") and hasattr(cpp.CppVecKernel, "store")
+    assert hasattr(scheduler.SchedulerNode, "recompute_size_and_body")
+    inductor_fixes.install()
+    assert inductor_fixes._INSTALLED == {"tile2d_atomic_add": True, "mutation_rename_after_recompute": True}
+
+
+def test_fx_graph_cache_key_names_the_fixes(monkeypatch):
+    """Inductor's FX graph cache cannot see a monkeypatch: the fixes' version enters its key, so code
+    compiled without them is not served to vjpgen."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    patches = inductor_fixes.config_patches()
+    key = patches["post_grad_custom_post_pass"]
+    assert isinstance(key, CustomGraphPass) and str(inductor_fixes.VERSION) in key.uuid()
+    monkeypatch.setattr(config, "post_grad_custom_post_pass", lambda g: None)  # the user's own pass: kept
+    assert inductor_fixes.config_patches() == {"fx_graph_cache": False}
+    monkeypatch.setenv("VJPGEN_INDUCTOR_FIXES", "0")
+    assert inductor_fixes.config_patches() == {}
+    with inductor_fixes.active() as hit:
+        assert hit is None
