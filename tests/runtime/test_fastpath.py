@@ -35,10 +35,11 @@ def compare_gathers(monkeypatch):
         rS, rT, rI, _, _, _ = engine._gather(region, plan, nodes, metas, buf, labels=True)
         assert S == rS and I == rI and len(T) == len(rT) and all(_same(a, b) for a, b in zip(T, rT)), region.label
         seen["reference"] = seen.get("reference", 0) + 1
-        if region.fast:
-            tables = region.cache.by_S.get(S)
-            written_for_S = [f for f, by_ints, _ in region.fast if tables is not None and by_ints is tables[0]]
-            for fn, by_ints, by_meta in region.fast:
+        learned = plan.learned.regions[region.index]
+        if learned.fast:
+            tables = learned.cache.by_S.get(S)
+            written_for_S = [f for f, by_ints, _ in learned.fast if tables is not None and by_ints is tables[0]]
+            for fn, by_ints, by_meta in learned.fast:
                 r = fn(nodes, metas, buf)
                 if fn in written_for_S:
                     assert r is not None, f"the gather written for this structure refused it ({region.label})"
@@ -177,8 +178,7 @@ def test_gather_constants_do_not_grow_with_nodes():
         for _ in range(2):
             ref = torch.autograd.grad(loss, x, retain_graph=True)[0]
             torch.testing.assert_close(rt.grad(loss, x, retain_graph=True, backend=BK)[0], ref)
-        regions = [s for p in rt.api._PLANS.values() for s in p.steps if isinstance(s, plan_mod.Region)]
-        fns = [fn for r in regions for fn, _, _ in r.fast]
+        fns = [fn for p in rt.api._PLANS.values() for r in p.learned.regions for fn, _, _ in r.fast]
         assert len(fns) == 1
         n_globals.append(len(fns[0].__globals__))
     assert n_globals[0] == n_globals[1], n_globals

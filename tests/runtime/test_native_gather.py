@@ -30,8 +30,8 @@ def compare_native(monkeypatch):
     orig = fastpath.lookup
     seen = {"programs": 0, "accepted": 0, "refused": 0, "armed": 0}
 
-    def checked(region, nodes, metas, buf):
-        for fn, by_ints, by_meta in region.fast:
+    def checked(region, plan, nodes, metas, buf, specs=None):
+        for fn, by_ints, by_meta in plan.learned.regions[region.index].fast if specs is None else specs:
             nat = fn.__vjpgen_native__
             if nat is None:
                 continue
@@ -52,7 +52,7 @@ def compare_native(monkeypatch):
                 else:
                     assert list(got[1]) == list(want[1])
                 seen["accepted"] += 1
-        return orig(region, nodes, metas, buf)
+        return orig(region, plan, nodes, metas, buf, specs)
 
     monkeypatch.setattr(fastpath, "lookup", checked)
     return seen

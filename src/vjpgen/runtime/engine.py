@@ -105,15 +105,16 @@ def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False)
         else:
             flatten(g, False, T, tid, I, S)
     infos = plan.infos
+    known_needs = plan.learned.needs
     for i in region.nodes:
         info = infos[i]
         node = nodes[i]
         try:
-            needs = info.needs
+            needs = known_needs[i]
             get_saved = info.get_saved
             if needs is None or get_saved is None:
                 state = _saved.state(info.module, node, info.sc_get)
-                needs = info.needs = tuple(state[0])  # the same for every call of this plan
+                needs = known_needs[i] = tuple(state[0])  # the same for every call of this plan
                 saved = state[1:]
             else:
                 em = None
@@ -396,7 +397,7 @@ def _interpret(region, plan, nodes, metas, buf, ctx, reasons, mode: str = "node"
         ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
     before = dict(ctx.breaks)
     for i, reason in (reasons or {}).items():
-        ctx.breaks[i] = (mode, reason)  # (how _run_live runs it, this call)
+        decide.break_this_call(ctx, i, (mode, reason))  # (how _run_live runs it, this call)
     ran: list = []
     ctx.partial = ran
     try:
@@ -418,7 +419,7 @@ def _mark_live(plan: Plan, reasons: dict, ctx: CallContext, mode: str = "node") 
     """The nodes of ``reasons`` (index -> why) are graph breaks from now on: this call runs them
     live (``ctx.breaks``) and later calls get a plan with them live (``plan.with_live``)."""
     for i, reason in reasons.items():
-        ctx.breaks[i] = (mode, reason)
+        decide.break_this_call(ctx, i, (mode, reason))
     _record_breaks(plan, reasons)
 
 
@@ -567,9 +568,9 @@ class FirstOrder:
     @staticmethod
     def fast(region, plan, nodes, metas, buf):
         """(Compiled, T, I) from a specialized gather and its tables, or None."""
-        if not region.fast:  # a structure not seen before
+        if not plan.learned.regions[region.index].fast:  # a structure not seen before
             return None
-        r = fastpath.lookup(region, nodes, metas, buf)
+        r = fastpath.lookup(region, plan, nodes, metas, buf)
         if r is None:
             return None
         T, I, by_ints, by_meta, compiled, arm = r
@@ -586,7 +587,7 @@ class FirstOrder:
 
     @staticmethod
     def cache(region, plan, T):
-        return region.cache
+        return plan.learned.regions[region.index].cache
 
     @staticmethod
     def compile(region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache):

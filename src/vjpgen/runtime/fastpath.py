@@ -164,12 +164,13 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
         w.value(buf[s], f"buf[{s}]", False)
         units.append((start, len(w.lines), _grad_ops(w, s, buf[s])))
     infos = plan.infos
+    known_needs = plan.learned.needs
     for i in region.nodes:
         info = infos[i]
         node = nodes[i]
         start = len(w.lines)
         emit(f"n = nodes[{i}]")
-        if info.needs is not None and info.get_saved is not None:
+        if known_needs[i] is not None and info.get_saved is not None:
             em = None
             if info.uses_meta:
                 parts = ", ".join("None" if e is None else f"metas[{e[0]}][{e[1]}]" for e in info.edges)
@@ -178,7 +179,7 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
             else:
                 emit(f"s = {w.const(info.get_saved)}(n, None)")
             saved = _saved.saved(info.module, node, em)
-            needs = info.needs
+            needs = known_needs[i]
         else:
             emit(f"st = {w.const(info.module.get_state)}(n, {w.const(info.sc_get)})")
             state = _saved.state(info.module, node, info.sc_get)
@@ -200,7 +201,7 @@ def specialize(region, plan, nodes, metas, buf, S: tuple):
             emit("extI(sh)")
             w.S.extend((m.dtype, m.device, n_dim))
         ops = None
-        if info.needs is not None and info.get_saved is not None:
+        if known_needs[i] is not None and info.get_saved is not None:
             ops = _node_ops(w, i, info, node, saved, nodes, metas)
         units.append((start, len(w.lines), ops))
     if tuple(w.S) != S:  # the specialization must encode exactly what the general path does
@@ -476,7 +477,7 @@ def _part(w: _Writer, lines: list, label: str, k: int):
     return glb["part"]
 
 
-def lookup(region, nodes, metas, buf, specs=None):
+def lookup(region, plan, nodes, metas, buf, specs=None):
     """Run the region's specializations (or ``specs``: those a fused optimizer's region keeps with
     its own cache): ``(T, I, by_ints, by_meta, entry, arm)`` for the first whose checks pass (the
     cache's entry tables for that ``S``), or None.
@@ -485,7 +486,7 @@ def lookup(region, nodes, metas, buf, specs=None):
     tensors and ints are those it was armed on (then ``I`` is empty and no guard need run: see
     ``arm`` in _native.cpp); else None, and ``arm`` (or None) is ``arm(entry)`` for the static
     entry the guards choose, so later such calls skip the guards too."""
-    for fn, by_ints, by_meta in region.fast if specs is None else specs:
+    for fn, by_ints, by_meta in plan.learned.regions[region.index].fast if specs is None else specs:
         nat = fn.__vjpgen_native__
         if nat is not None:
             r = nat(nodes, metas, buf)
@@ -525,8 +526,9 @@ def remember(region, plan, nodes, metas, buf, S: tuple, cache=None, specs=None, 
     return it (None if there was none to add). Call it before the region runs: it reads the nodes'
     saved values and ``buf`` again. ``cache``, ``specs``, ``keys``: another cache than the region's
     and the lists its specializations are kept in (a fused optimizer's region)."""
-    specs = region.fast if specs is None else specs
-    keys = region.fast_keys if keys is None else keys
+    learned = plan.learned.regions[region.index]
+    specs = learned.fast if specs is None else specs
+    keys = learned.fast_keys if keys is None else keys
     if len(keys) >= _MAX_PER_REGION or S in keys:
         return None
     keys.add(S)
@@ -537,6 +539,6 @@ def remember(region, plan, nodes, metas, buf, S: tuple, cache=None, specs=None, 
         fn = None
     if fn is None:
         return None
-    by_ints, by_meta = (region.cache if cache is None else cache).tables(S)
+    by_ints, by_meta = (learned.cache if cache is None else cache).tables(S)
     specs.append((fn, by_ints, by_meta))
     return fn

@@ -525,9 +525,7 @@ class FusedCall:
     def __init__(self, opt, plan, nodes):
         self.opt = opt
         _STATE_AT[opt] = len(opt.state)  # (the state this call makes is put in eager's order: step())
-        templates = getattr(plan, "fused_templates", None)
-        if templates is None:
-            templates = plan.fused_templates = {}
+        templates = plan.learned.fused_templates
         # the template of the parameters this call reaches: the plan is the graph's structure, and
         # the same structure can reach other parameters (another head, other experts)
         leaves = _reached(plan, nodes)
@@ -736,10 +734,10 @@ class _FusedKind:
         from . import fastpath
         from .cache import find
 
-        specs = region.fused_fast.get(f.key)
+        specs = plan.learned.regions[region.index].fused_fast.get(f.key)
         if not specs:
             return None
-        r = fastpath.lookup(region, nodes, metas, buf, specs)
+        r = fastpath.lookup(region, plan, nodes, metas, buf, specs)
         if r is None:
             return None
         T, I, by_ints, by_meta = r[0], r[1], r[2], r[3]
@@ -753,9 +751,10 @@ class _FusedKind:
         f = self._fuse(region)
         if f is None:
             return self.base.cache(region, plan, T)
-        c = region.fused_caches.get(f.key)
+        caches = plan.learned.regions[region.index].fused_caches
+        c = caches.get(f.key)
         if c is None:
-            c = region.fused_caches[f.key] = RegionCache(f"{region.label} (fused optimizer)")
+            c = caches[f.key] = RegionCache(f"{region.label} (fused optimizer)")
         return c
 
     def compile(self, region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache):
@@ -777,8 +776,9 @@ class _FusedKind:
 
         if not hit and region.saved_hooks:
             return
-        specs = region.fused_fast.setdefault(f.key, [])
-        keys = region.fused_fast.setdefault(("keys", f.key), set())
+        fused_fast = plan.learned.regions[region.index].fused_fast
+        specs = fused_fast.setdefault(f.key, [])
+        keys = fused_fast.setdefault(("keys", f.key), set())
         fn = fastpath.remember(region, plan, nodes, metas, buf, S, cache=cache, specs=specs, keys=keys)
         if fn is not None and fn.__vjpgen_native__ is not None:
             fn.__vjpgen_native__.never_arm()  # (its entries are found here, in a cache of their own)

@@ -382,10 +382,7 @@ class _Entry(Compiled):
 
 
 def _region_caches(plan) -> dict:
-    c = getattr(plan, "ho_caches", None)
-    if c is None:
-        c = plan.ho_caches = {}
-    return c
+    return plan.learned.ho_caches
 
 
 def fallback_reason(plan, nodes):
@@ -437,7 +434,7 @@ _MAX_FAST = 4  # specialized gathers per region (see vjpgen.runtime.fastpath)
 def _fast_lookup(region, plan, nodes, metas, buf):
     """A structure seen before: its specialized gather, then the entry tables of its S and
     requires-grad pattern. Returns (entry, T, I) or None (then the general path decides)."""
-    fast = getattr(plan, "ho_fast", None)
+    fast = plan.learned.ho_fast
     lst = fast.get(tuple(region.nodes)) if fast else None
     if not lst:
         return None
@@ -464,14 +461,10 @@ def _fast_lookup(region, plan, nodes, metas, buf):
 
 
 def _remember(region, plan, nodes, metas, buf, S, rg, cache) -> None:
-    fast = getattr(plan, "ho_fast", None)
-    if fast is None:
-        fast = plan.ho_fast = {}
+    fast = plan.learned.ho_fast
     key = tuple(region.nodes)
     lst = fast.setdefault(key, [])
-    seen = getattr(plan, "ho_fast_keys", None)
-    if seen is None:
-        seen = plan.ho_fast_keys = set()
+    seen = plan.learned.ho_fast_keys
     if len(lst) >= _MAX_FAST or (key, S, rg) in seen:
         return
     seen.add((key, S, rg))
@@ -495,7 +488,7 @@ class CreateGraph:
     counts_hits = True
 
     @staticmethod
-    def fast(region, plan, nodes, metas, buf):  # (its specializations live on the plan, plan.ho_fast)
+    def fast(region, plan, nodes, metas, buf):  # (its specializations: plan.learned.ho_fast)
         return _fast_lookup(region, plan, nodes, metas, buf)
 
     @staticmethod

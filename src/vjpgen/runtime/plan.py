@@ -4,21 +4,24 @@ number as the engine's ready queue does), which of them run live (no working mod
 custom Functions that cannot be traced, sparse tensors) and how the rest split into compiled
 :class:`Region` s around them; where leaf accumulation happens.
 
-A plan is not changed after it is built: graph breaks a call finds give a new plan
-(:func:`with_live`); what hangs on a plan afterwards are caches (compiled entries, specialized
-gathers, the needs each node's state always has)."""
+A plan cannot change once built (:func:`seal`: setting an attribute of a :class:`Plan`,
+:class:`NodeInfo` or :class:`Region` raises :class:`FrozenPlanError`, their lists are tuples and
+their dicts read-only views); graph breaks a call finds give a new plan (:func:`with_live`). What
+running a plan learns (compiled entries, specialized gathers, the needs each node's state always
+has, the create_graph and fused-optimizer caches) lives in the one object ``plan.learned``
+(:class:`Learned`), one owner per field, never shared with another plan."""
 
 from __future__ import annotations
 
 import heapq
 import logging
+from types import MappingProxyType
 
 import torch
 
 from . import capture, decide, kernels
 from .cache import RegionCache
 from .release import raw_saved_names
-from .walk import NativeHooks
 
 log = logging.getLogger("vjpgen")
 
@@ -39,10 +42,11 @@ class NodeInfo:
     __slots__ = (
         "cls", "name", "module", "is_acc", "pyfunc", "live", "num_inputs", "edges", "sc",
         "in_slots", "out", "n_saved", "sym_flags", "saved_names", "sc_get",
-        "needs", "get_saved", "uses_meta", "raw_saved",
+        "get_saved", "uses_meta", "raw_saved", "_sealed",
     )
 
     def __init__(self, cls, num_inputs, edges):
+        object.__setattr__(self, "_sealed", False)
         self.cls = cls
         self.name = cls.__name__
         self.num_inputs = num_inputs
@@ -58,20 +62,18 @@ class NodeInfo:
         self.n_saved = 0
         self.sym_flags = ()
         self.saved_names = ()
-        self.needs = None  # needs_input_grad: fixed by the plan's structure, read on first gather
         self.get_saved = None  # module.get_saved(node, edge_meta): the saved values alone
         self.uses_meta = False  # whether get_saved reads edge metadata (then the walk's is passed)
         self.raw_saved = raw_saved_names(cls)  # the node's SavedVariable attributes (release_saved)
 
 
 class Region:
-    __slots__ = (
-        "nodes", "in_slots", "out_slots", "out_replace", "out_dest", "cache", "label", "index", "drop_in", "fast",
-        "fast_keys", "saved_hooks", "fused_caches", "fused_fast",
-    )
+    __slots__ = ("nodes", "in_slots", "out_slots", "out_replace", "out_dest", "label", "index", "drop_in",
+                 "saved_hooks", "_sealed")
 
     def __init__(self, index, nodes):
-        self.index = index
+        object.__setattr__(self, "_sealed", False)
+        self.index = index  # its place among the plan's regions (plan.learned.regions[index])
         self.nodes = nodes
         self.in_slots = []
         self.out_slots = []
@@ -79,15 +81,9 @@ class Region:
         self.out_dest = []  # per out slot: (node index, input nr) whose input metadata the grad must have
         self.drop_in = []  # in_slots nothing reads after this region: dropped before its call
         self.label = f"region {index}"
-        self.cache = RegionCache(self.label)
-        self.fast: list = []  # specialized gathers (see fastpath): (fn, by_ints, by_meta)
-        self.fast_keys: set = set()  # the S each was built for (or failed to build for)
         # whether saved tensors of its nodes have hooks (Plan.saved_groups): their values are read
         # once, by the general gather only (a specialized one may read some and give up)
         self.saved_hooks = False
-        # the caches of the region with a fused optimizer, per fused signature (fused_optim.py)
-        self.fused_caches: dict = {}
-        self.fused_fast: dict = {}  # their specialized gathers (fastpath.py), per fused signature
 
 
 class LiveStep:
@@ -99,6 +95,8 @@ class LiveStep:
 
 class Plan:
     def __init__(self):
+        object.__setattr__(self, "_sealed", False)
+        self.learned: Learned | None = None  # set by seal()
         self.infos: list[NodeInfo] = []
         self.order: list[int] = []
         self.steps: list = []
@@ -123,6 +121,108 @@ class Plan:
         # node index -> group of the nodes whose saved tensors have hooks, one group per unpack
         # hook (a torch.utils.checkpoint block); regions are cut between groups (see _segments)
         self.saved_groups: dict = {}
+
+
+class FrozenPlanError(AttributeError):
+    """An attribute of a built plan was set: a plan cannot change (see the module docstring)."""
+
+
+def _frozen(self, name):
+    return FrozenPlanError(
+        f"vjpgen: {type(self).__name__}.{name} cannot be set: a plan does not change once built "
+        f"(what a run learns goes to plan.learned; graph breaks give a new plan: plan.with_live)"
+    )
+
+
+def _frozen_setattr(self, name, value):
+    if getattr(self, "_sealed", False):
+        raise _frozen(self, name)
+    object.__setattr__(self, name, value)
+
+
+def _frozen_delattr(self, name):
+    if getattr(self, "_sealed", False):
+        raise _frozen(self, name)
+    object.__delattr__(self, name)
+
+
+for _cls in (NodeInfo, Region, Plan):
+    _cls.__setattr__ = _frozen_setattr
+    _cls.__delattr__ = _frozen_delattr
+
+
+class RegionLearned:
+    """What running one region learns; owners: the executor (engine.FirstOrder: ``cache``;
+    fastpath: ``fast``, ``fast_keys``) and fused_optim (``fused_caches``, ``fused_fast``)."""
+
+    __slots__ = ("cache", "fast", "fast_keys", "fused_caches", "fused_fast")
+
+    def __init__(self, label: str) -> None:
+        self.cache = RegionCache(label)
+        self.fast: list = []  # specialized gathers (see fastpath): (fn, by_ints, by_meta)
+        self.fast_keys: set = set()  # the S each was built for (or failed to build for)
+        self.fused_caches: dict = {}  # the region's caches with a fused optimizer, per fused signature
+        self.fused_fast: dict = {}  # their specialized gathers (fastpath.py), per fused signature
+
+
+class Learned:
+    """What running a plan learns, in one place the executor owns (the plan itself never changes);
+    one owner per field: ``needs`` the engine's gather (each node's needs_input_grad, fixed by the
+    plan's structure, read on its first gather), ``regions`` per region (:class:`RegionLearned`),
+    ``ho_*`` higher_order (create_graph regions' caches and specialized gathers),
+    ``fused_templates`` fused_optim."""
+
+    __slots__ = ("needs", "regions", "ho_caches", "ho_fast", "ho_fast_keys", "fused_templates")
+
+    def __init__(self, plan: "Plan") -> None:
+        self.needs: list = [None] * len(plan.infos)
+        self.regions = tuple(RegionLearned(st.label) for st in plan.steps if type(st) is Region)
+        self.ho_caches: dict = {}
+        self.ho_fast: dict = {}
+        self.ho_fast_keys: set = set()
+        self.fused_templates: dict = {}
+
+
+def _ro(v):
+    """A read-only version of a plan field: lists as tuples, dicts as read-only views (their list
+    values as tuples)."""
+    if isinstance(v, list):
+        return tuple(v)
+    if isinstance(v, dict):
+        return MappingProxyType({k: tuple(x) if isinstance(x, list) else x for k, x in v.items()})
+    return v
+
+
+def _seal_obj(obj) -> None:
+    names = obj.__slots__ if hasattr(type(obj), "__slots__") else list(vars(obj))
+    for n in names:
+        if n != "_sealed" and n != "learned" and hasattr(obj, n):
+            object.__setattr__(obj, n, _ro(getattr(obj, n)))
+    object.__setattr__(obj, "_sealed", True)
+
+
+def seal(p: Plan) -> Plan:
+    """Freeze a built plan (its infos and regions too) and give it a new :class:`Learned`."""
+    object.__setattr__(p, "learned", Learned(p))
+    for info in p.infos:
+        _seal_obj(info)
+    for st in p.steps:
+        if type(st) is Region:
+            _seal_obj(st)
+    _seal_obj(p)
+    return p
+
+
+def _thawed(obj):
+    """An unsealed copy of a sealed plan object (the new plan's own, to build on)."""
+    cls = type(obj)
+    q = cls.__new__(cls)
+    names = cls.__slots__ if hasattr(cls, "__slots__") else list(vars(obj))
+    for n in names:
+        if hasattr(obj, n):
+            object.__setattr__(q, n, getattr(obj, n))
+    object.__setattr__(q, "_sealed", False)
+    return q
 
 
 def _module_for(info: NodeInfo):
@@ -151,7 +251,7 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
             info.uses_meta = getattr(info.module, "USES_EDGE_META", True)
         reason = decide.node_reason(decide.NodeView(info, i, nodes[i], metas, hooked, i in p.saved_groups))
         if reason is not None:
-            info.live = ("node", reason)
+            decide.mark_live(info, ("node", reason))
         if info.module is not None and info.live is None:
             schema = getattr(info.module, "SCHEMA", ())
             info.sym_flags = tuple(capture._sym_schema(s) for s in schema)
@@ -204,17 +304,14 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
                 needed[i] = True
                 break
 
-    # AccumulateGrad nodes with hooks the native helper found (DDP's reducer hook, leaf hooks,
-    # post-accumulate-grad hooks) run live where the engine would run them: as soon as their grad
-    # is complete, so a hook sees the backward in eager's order (DDP starts a bucket's all-reduce
-    # while the rest of the backward computes)
+    # AccumulateGrad nodes with hooks run live where the engine would run them (decide.py)
     live_acc = set()
     if hooked and accumulate:
-        for i, h in hooked.items():
-            if infos[i].is_acc and isinstance(h, NativeHooks) and (targets is None or (i, 0) in target_set):
-                needed[i] = True
-                infos[i].live = ("node", h.describe())
-                live_acc.add(i)
+        wanted = lambda i: targets is None or (i, 0) in target_set  # noqa: E731
+        for i, reason in decide.hooked_leaf_reasons(infos, hooked, wanted).items():
+            needed[i] = True
+            decide.mark_live(infos[i], ("node", reason))
+            live_acc.add(i)
     if accumulate:  # leaves decide.RULES runs live (a tensor-subclass or nested leaf): the engine accumulates
         for i, info in enumerate(infos):
             if info.is_acc and info.live is not None and (targets is None or (i, 0) in target_set):
@@ -296,11 +393,11 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
                     heapq.heappush(heap, (-nodes[d]._sequence_nr(), d))
     p.order = order
     for i, reason in decide.ordered_reasons(p, nodes).items():  # the API records them as breaks
-        infos[i].live = ("node", reason)
+        decide.mark_live(infos[i], ("node", reason))
     _partition(p)
     p.layout_leaves = decide.leaf_layouts(p)
     p.layout_leaf_accs = decide.leaf_layout_accs(p)
-    return p
+    return seal(p)
 
 
 # Bytes of leaf grads with hooks (DDP's buckets) after which the compiled backward is cut, so the
@@ -357,20 +454,19 @@ def _segments(p: Plan) -> dict:
 
 def with_live(p: Plan, reasons: dict) -> Plan:
     """A new plan: ``p`` with the nodes of ``reasons`` (index -> (mode, reason), graph breaks a call
-    found) run live, re-partitioned around them. ``p`` itself is never changed once built (a call
-    that runs it keeps its steps); the caches it carries (the create_graph regions') are shared."""
-    import copy
-
+    found) run live, re-partitioned around them, with its own :class:`Learned` (nothing mutable is
+    shared with ``p``, which never changes: a call that runs it keeps its steps)."""
     from . import decide
 
-    q = copy.copy(p)
-    q.infos = [copy.copy(info) for info in p.infos]
+    q = _thawed(p)
+    object.__setattr__(q, "learned", None)
+    q.infos = [_thawed(info) for info in p.infos]
     for i, live in reasons.items():
-        q.infos[i].live = live
+        decide.mark_live(q.infos[i], live)
     _partition(q)
     q.layout_leaves = decide.leaf_layouts(q)
     q.layout_leaf_accs = decide.leaf_layout_accs(q)
-    return q
+    return seal(q)
 
 
 def _partition(p: Plan) -> None:
