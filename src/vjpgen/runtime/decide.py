@@ -54,10 +54,12 @@ import torch
 
 from . import custom_function, sparse, torchscript
 from . import saved as _saved
+from .walk import NativeHooks
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _STRIDED = torch.strided
+_FakeTensor = torch._subclasses.fake_tensor.FakeTensor
 
 
 class NodeView(NamedTuple):
@@ -164,6 +166,30 @@ def node_reason(v: NodeView) -> str | None:
     return None
 
 
+def mark_live(info, how: tuple) -> None:
+    """The one writer of a plan node's ``live`` (``(mode, reason)``, mode "node" or "module"): at
+    plan time, for the reasons the rules here give, and in ``plan.with_live`` for the breaks a
+    call recorded with :func:`break_this_call`."""
+    info.live = how
+
+
+def break_this_call(ctx, i: int, how: tuple) -> None:
+    """Node ``i`` runs live on this call (``how`` from :func:`trace_failure`,
+    :func:`module_failure` or :func:`region_reasons`): recorded in ``ctx.breaks``, from which the
+    API makes the structure's next plan (``plan.with_live``)."""
+    ctx.breaks[i] = how
+
+
+def hooked_leaf_reasons(infos, hooked, wanted) -> dict:
+    """AccumulateGrad nodes with hooks the native helper found (DDP's reducer hook, leaf hooks,
+    post-accumulate-grad hooks): node index -> reason; they run live where the engine would run
+    them, as soon as their grad is complete, so a hook sees the backward in eager's order (DDP
+    starts a bucket's all-reduce while the rest of the backward computes). ``wanted(i)``: the
+    call accumulates into that leaf."""
+    return {i: h.describe() for i, h in hooked.items()
+            if infos[i].is_acc and isinstance(h, NativeHooks) and wanted(i)}
+
+
 def ordered_reasons(plan, nodes) -> dict:
     """The rules that need the plan's execution order (the edges each node's grads flow through):
     node index -> reason for the traced nodes that save a sparse tensor or read the layout of a
@@ -175,19 +201,22 @@ def ordered_reasons(plan, nodes) -> dict:
 # per call
 
 
-def is_subclass(t) -> bool:
-    """Whether ``t`` is a tensor subclass that a compiled region cannot hold (a ``__torch_dispatch__``
-    wrapper such as DTensor or a two-tensor wrapper, or one that overrides ``__torch_function__``);
-    ``nn.Parameter`` and its plain subclasses are not."""
+def is_subclass(t, backend: bool = False) -> bool:
+    """Whether ``t`` is a tensor subclass that a compiled graph cannot hold as a plain tensor: a
+    ``__torch_dispatch__`` wrapper such as DTensor or a two-tensor wrapper, or one that overrides
+    ``__torch_function__``; ``nn.Parameter`` and its plain subclasses are not. ``backend``: the
+    question for an input dynamo hands the torch.compile backend, where dynamo has traced through
+    ``__torch_function__`` already and its own fake tensors are plain."""
     tp = type(t)
     if tp is _Tensor or tp is _Parameter:
         return False
     if not isinstance(t, _Tensor):
         return False
-    return (
-        tp.__torch_dispatch__ is not _Tensor.__torch_dispatch__
-        or (tp.__torch_function__ is not _Tensor.__torch_function__
-            and tp.__torch_function__ is not _Parameter.__torch_function__)
+    if tp.__torch_dispatch__ is not _Tensor.__torch_dispatch__:
+        return not (backend and isinstance(t, _FakeTensor))
+    return not backend and (
+        tp.__torch_function__ is not _Tensor.__torch_function__
+        and tp.__torch_function__ is not _Parameter.__torch_function__
     )
 
 

@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from . import capture, joint, kernels, torchscript
+from . import capture, decide, joint, kernels, torchscript
 from .diffgraph import CompiledGraph
 from .diffgraph import record_fallback as _record
 from .stats import STATS
@@ -74,7 +74,7 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
     if not wants_grad:  # no backward to build: the inner compiler's forward
         b["inference_graphs"] += 1
         return _inner_backend(opts)(gm, example_inputs)
-    sub = next((x for x in example_inputs if isinstance(x, torch.Tensor) and _is_subclass(x)), None)
+    sub = next((x for x in example_inputs if decide.is_subclass(x, backend=True)), None)
     if sub is not None:  # AOTAutograd desugars tensor subclasses into their inner tensors
         record_fallback(f"a tensor subclass input ({type(sub).__name__})")
         return _inner_backend(opts)(gm, example_inputs)
@@ -182,13 +182,6 @@ def _with_views(run, main_pos, views_gm, view_pos):
         return tuple(outs)
 
     return run_with_views
-
-
-def _is_subclass(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return type(t) not in (torch.Tensor, torch.nn.Parameter) and not isinstance(t, FakeTensor) and (
-        type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__)
 
 
 def _mode_patches(opts) -> dict | None:

@@ -90,7 +90,7 @@ def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
             _saved.forget((node,))
         except Exception as e:  # never a wrong gradient: ask the live node instead
             log.debug("vjpgen: %s module failed eagerly (%s); calling the live node", info.name, e)
-            ctx.breaks[i] = decide.module_failure(e)
+            decide.break_this_call(ctx, i, decide.module_failure(e))
             outs = None
     if outs is None:
         if info.pyfunc:
