@@ -17,7 +17,12 @@ three random molecules of 5-12 atoms (H, C, O; seed 0; edges within 5 A):
   built through ``mace.tools.compile.prepare``, as mace prepares a model for ``torch.compile``
   (e3nn's TorchScript code generation off, fx-simplified blocks). Note that ``prepare`` sets
   ``torch._dynamo.config.trace_autograd_ops = True`` for the process (and ``allow_in_graph`` of
-  ``torch.autograd.grad``): every MACE row runs with it unless the method sets it.
+  ``torch.autograd.grad``): every MACE row runs with it unless the method sets it. MACE's
+  ``prepare_graph`` calls ``data["positions"].requires_grad_(True)`` only when
+  ``not torch.compiler.is_compiling()``: under any torch.compile backend (``eager`` included) the
+  caller makes the positions require grad, as mace's ``MACECalculator`` does when it compiles.
+  *mace* calls the model with plain positions (fails under every torch.compile method, by mace's
+  design); *mace-pos* makes them require grad before the call.
 
 Methods (each ``(model, method)`` in a subprocess of its own, so that a process abort is recorded
 as one; inside it the eager reference and the method alternate step by step, from the same
@@ -87,8 +92,9 @@ CASE_PREFIX = "CASE-RESULT "
 MODELS = ("pair", "schnet", "painn", "mace")
 METHODS = ("eager", "runtime", "runtime-aot", "backend-aot", "backend", "tc", "tc-tao")
 CHECK_CASES = (("painn", "backend-check"),)
-# MACE with its positions requiring grad before the call (mace's forward calls requires_grad_ on
-# them itself, which dynamo's fake run of the compiled graph does not see): only the compiling methods
+# MACE with its positions requiring grad before the call (mace's prepare_graph skips its own
+# requires_grad_ while torch.compiler.is_compiling(), so every compiled call needs it): only the
+# compiling methods
 EXTRA_CASES = (("mace", (("mace-pos", "backend-aot"), ("mace-pos", "backend"), ("mace-pos", "tc-tao"))),)
 METHOD_TEXT = {
     "eager": "eager (reference vs itself)",
@@ -256,7 +262,7 @@ def build_mace(mols, pos_requires_grad=False):
 
         def call(m, d):
             return m({**d, "positions": d["positions"].requires_grad_(True)}, training=True, compute_force=True)
-    else:  # as mace's own training loop: the model calls requires_grad_ on them
+    else:  # plain positions: the model's requires_grad_ runs in eager only (not while compiling)
 
         def call(m, d):
             return m(d, training=True, compute_force=True)
@@ -498,9 +504,11 @@ def report(results, args, total_s) -> str:
         "`vjpgen.runtime.stats()` (runtime graph breaks, eager fallbacks, backend fallbacks to AOTAutograd, "
         "uncompiled vjp calls; the orders compiled). *pair*: the built-in pair potential; *schnet*, *painn*: "
         "schnetpack's `NeuralNetworkPotential`; *mace*: `ScaleShiftMACE` built through "
-        "`mace.tools.compile.prepare` (which sets `trace_autograd_ops=True`), called as mace's training loop "
-        "calls it (the model calls `positions.requires_grad_()`); *mace-pos*: the same with the positions "
-        "requiring grad before the call. A row that does not run names the first step it failed at.",
+        "`mace.tools.compile.prepare` (which sets `trace_autograd_ops=True`), called with plain positions (its "
+        "`prepare_graph` calls `positions.requires_grad_()` only when not `torch.compiler.is_compiling()`: "
+        "every torch.compile method fails, by mace's design); *mace-pos*: the same with the positions "
+        "requiring grad before the call, as mace's calculator does when it compiles. A row that does not run "
+        "names the first step it failed at.",
         "",
         "| model | method | runs | params err | first step s | median ms (min-max) | / eager | "
         "trace_autograd_ops | dynamo breaks | vjpgen |",

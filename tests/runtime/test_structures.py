@@ -113,6 +113,36 @@ def closure():
     return [w1, w2], fwd, _force_loss, [(_pos(k).requires_grad_(),) for k in range(STEPS)]
 
 
+class GuardedPotential(nn.Module):
+    """MACE's structure (mace-torch 0.3.16, ``mace/modules/utils.py`` ``prepare_graph``): the batch
+    is a dict, and the model makes the positions require grad only when not compiling (``if not
+    torch.compiler.is_compiling(): data["positions"].requires_grad_(True)``). Under any
+    torch.compile backend that line never runs, so the caller makes them require grad before the
+    call, as mace's own calculator does when it compiles (``mace/calculators/mace.py``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _mlp(1, 16, 16, 1)
+
+    def forward(self, data):
+        if not torch.compiler.is_compiling():
+            data["positions"].requires_grad_(True)
+        pos = data["positions"]
+        e = _pair_energy(self.net, pos)
+        (g,) = torch.autograd.grad([e], [pos], create_graph=True)
+        return e, -g
+
+
+def guarded_dict(caller_requires_grad=True):
+    def make():
+        torch.manual_seed(0)
+        m = GuardedPotential()
+        batches = [({"positions": _pos(k).requires_grad_(caller_requires_grad)},) for k in range(STEPS)]
+        return list(m.parameters()), m, _force_loss, batches
+
+    return make
+
+
 def functional_call():
     torch.manual_seed(0)
     m = Potential()
@@ -237,6 +267,7 @@ WORKLOADS = {
     "potential": potential(),
     "sizes": potential(sizes=(8, 11, 15, 8)),
     "requires_grad_inside": potential(requires_grad_inside=True),
+    "guarded_dict": guarded_dict(),
     "closure": closure,
     "functional_call": functional_call,
     "message_passing": message_passing,
@@ -305,6 +336,8 @@ def _assert_eager(name, structure, compiler=AOT):
 def test_structure_matches_eager(name, structure):
     if structure in ("forward_tao", "step_tao") and name in ("sizes", "requires_grad_inside", "closure", "maml"):
         pytest.skip("covered by the same workload's other dynamo settings (time)")
+    if structure in ("runtime", "step") and name == "guarded_dict":
+        pytest.skip("the potential workload's structure (time); MACE compiles its forward")
     _assert_eager(name, structure)
 
 
@@ -315,6 +348,25 @@ def test_default_settings_break_the_graph_at_grad_and_compile_every_order():
     b = rt.stats()["backend"]
     assert b["compiles"].get(1) and b["compiles"].get(2), b
     assert not any(not r.startswith("output") for r in b["fallback_reasons"]), b
+
+
+@pytest.mark.parametrize("tao", [False, True], ids=["default", "tao"])
+@pytest.mark.parametrize("backend", ["eager", "vjpgen"])
+def test_requires_grad_skipped_while_compiling_is_the_callers_job(backend, tao):
+    """MACE's "One of the differentiated Tensors does not require grad" under torch.compile (issue
+    50): its model skips ``requires_grad_`` while compiling (``GuardedPotential``), so positions
+    that do not require grad when passed in reach ``grad`` without requiring it. Dynamo's own
+    ``backend="eager"`` raises the same error (default settings: the eager ``grad`` after the graph
+    break; ``trace_autograd_ops``: dynamo's fake-tensor run of the ``grad`` node, before any backend
+    is called): vjpgen neither causes it nor can see it. The caller's ``requires_grad_`` is the fix
+    (the ``guarded_dict`` workload of the matrix)."""
+    params, fwd, loss_of, batches = guarded_dict(caller_requires_grad=False)()
+    kw = {"options": AOT} if backend == "vjpgen" else {}
+    with torch._dynamo.config.patch(trace_autograd_ops=tao):
+        with pytest.raises(RuntimeError, match="differentiated Tensors does not require grad"):
+            torch.compile(fwd, backend=backend, **kw)(*batches[0])
+    e, f = fwd(*batches[1])  # eager: the model's own requires_grad_ runs
+    assert f.shape == (6, 3) and batches[1][0]["positions"].requires_grad
 
 
 def test_backward_in_a_resumed_frame_is_not_dropped():
