@@ -97,8 +97,9 @@ def test_fx_graph_cache_key_names_the_fixes(monkeypatch):
     patches = inductor_fixes.config_patches()
     key = patches["post_grad_custom_post_pass"]
     assert isinstance(key, CustomGraphPass) and str(inductor_fixes.VERSION) in key.uuid()
-    monkeypatch.setattr(config, "post_grad_custom_post_pass", lambda g: None)  # the user's own pass: kept
-    assert inductor_fixes.config_patches() == {"fx_graph_cache": False}
+    with config.patch(post_grad_custom_post_pass=lambda g: None):  # the user's own pass: kept
+        assert inductor_fixes.config_patches() == {"fx_graph_cache": False}
+    assert config.post_grad_custom_post_pass is None
     monkeypatch.setenv("VJPGEN_INDUCTOR_FIXES", "0")
     assert inductor_fixes.config_patches() == {}
     with inductor_fixes.active() as hit:
