@@ -7,6 +7,9 @@ with a (20, 3, 16) consumer via ReasonFusedNodes.COMPATIBLE_RANGES_NO_REDUCTION.
 recompute_size_and_body() on the flat node, whose dependencies are rebuilt from its loop body as
 "reads buf75" instead of "reads buf76": the fused node no longer waits for the scatter, is
 scheduled before it, and reads the still-zero buffer (the scatter runs in a later kernel).
+Root cause: SchedulerNode.recompute_size_and_body (torch/_inductor/scheduler.py) re-applies the
+node's mutation_renames only when it has fake deps (WeakDep/StarDep). A 5-op plain-torch repro:
+inductor_mutation_rename_after_recompute.py.
 
     python inductor_cpp_compatible_ranges_mutation_order.py   # default, the workaround checks
 
