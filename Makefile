@@ -98,6 +98,7 @@ bench: $(STAMP) bench-deps bench-generate
 	$(PY) bench/bench_ddp.py
 	$(PY) bench/bench_ca_kernels.py
 	$(PY) bench/bench_higher_order.py
+	$(PY) bench/bench_higher_step.py
 	$(PY) bench/bench_warm_start.py
 
 # The GPU check, for the lent GPU machine (docs/benchmarks.md): its own python3 and torch, no
