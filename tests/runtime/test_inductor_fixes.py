@@ -12,28 +12,44 @@ from vjpgen.runtime import capture, inductor_fixes, reset_stats, stats
 N, E, C = 20, 120, 16  # nodes, edges, channels: the shapes of MACE's aborting kernel
 
 
-def _scatter(a, b, idx):  # a: [C, E], so a.t() is edge-contiguous: Inductor tiles it in 2-D
+def _tile2d(a, b, idx):
+    """``a: [C, E]``, so ``a.t()`` is edge-contiguous and Inductor tiles it in 2-D; the atomic-add
+    index of the scatter is shifted twice on more than one thread (13.9 off on these inputs)."""
     s = a.t() * b
     return torch.zeros(N, C).index_put((idx,), s, accumulate=True), torch.zeros(N, C).index_add(0, idx, s)
 
 
-@pytest.mark.timeout(120)
-def test_tile2d_atomic_add_gives_eagers_values_with_threads():
-    """Inductor shifts a 2-D tile's atomic-add index twice on more than one thread (13.9 off on
-    these inputs without the fix, past the buffer's end when the last row is indexed). vjpgen's
-    compiled graph matches eager, and the fix is counted."""
+def _renames(idx, src, y, u):
+    """``c`` ((N,3,C), before the scatter, reads ``y``) fuses with the flat loop after the scatter
+    that also reads ``y``; the fused node loses its dependency on the scatter and runs at ``c``'s
+    place, reading the zeros (12.4 off). From docs/repros/inductor_mutation_rename_after_recompute.py."""
+    c = y[:, None, :] * u
+    m = torch.zeros(N, 3, C).index_put((idx,), src, accumulate=True) + 1.0
+    return c, m * y[:, None, :], m
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["tile2d_atomic_add", "mutation_rename_after_recompute"])
+def test_the_miscompiles_give_eagers_values(case):
+    """vjpgen's compile of each repro graph matches eager (two threads, as on this box; each fails
+    with VJPGEN_INDUCTOR_FIXES=0), and the workaround that changed its code is counted."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    torch.manual_seed(0)
-    a, b = torch.randn(C, E), torch.randn(E, C)
-    idx = torch.randint(0, N - 1, (E,))  # never the last row: a regressed fix gives wrong values, not a crash
-    gm = make_fx(_scatter)(a, b, idx)
+    g = torch.Generator().manual_seed(0)
+    if case == "tile2d_atomic_add":
+        # (never the last row: a regressed fix gives wrong values, not a write past the buffer)
+        f, args = _tile2d, (torch.randn(C, E, generator=g), torch.randn(E, C, generator=g),
+                            torch.randint(0, N - 1, (E,), generator=g))
+    else:
+        f, args = _renames, (torch.randint(0, N, (E,), generator=g), torch.randn(E, 3, C, generator=g),
+                             torch.randn(N, C, generator=g), torch.randn(N, 3, C, generator=g))
+    gm = make_fx(f)(*args)
     reset_stats()
-    fn = capture.compile_graph(gm, [a, b, idx], "inductor", "a scatter graph", {"cpp.threads": 2})
-    got = fn([a, b, idx])
-    for g, w in zip(got, _scatter(a, b, idx)):
-        torch.testing.assert_close(g, w)
-    assert stats()["inductor_workarounds"].get("tile2d_atomic_add", 0) >= 1
+    fn = capture.compile_graph(gm, list(args), "inductor", "a repro graph", {"cpp.threads": 2})
+    got = fn(list(args))
+    for k, (x, w) in enumerate(zip(got, f(*args))):
+        torch.testing.assert_close(x, w, msg=f"output {k}")
+    assert stats()["inductor_workarounds"].get(case), stats()["inductor_workarounds"]
 
 
 class _ReadWrites:
