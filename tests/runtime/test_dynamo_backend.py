@@ -717,3 +717,39 @@ def test_an_override_error_at_a_later_order_is_raised_not_run_uncompiled(monkeyp
     e = f(x)
     with pytest.raises(rt.kernels.OverrideError, match="overlay.yaml:3"):
         torch.autograd.grad(e, x, create_graph=True)  # (its grads are the order-2 graph's outputs)
+
+
+def test_an_uncompiled_vjp_differentiates_inputs_as_independent_variables(monkeypatch):
+    """Where vjpgen cannot build a later order's joint, that order runs its kernels on the real
+    tensors. A graph's inputs may share history (``h = x.cos()`` computed before the compiled
+    call, both passed in): the vjp is with respect to each input as an independent variable, as
+    the traced joint's is, never through ``h``'s own history to ``x`` (that counted x's path
+    twice: grads 1.6 off, silently)."""
+    from vjpgen.runtime import diffgraph, joint
+
+    orig = diffgraph.CompiledGraph.build.__func__
+
+    def build(cls, fn, fakes, fake_mode, compiler, order, *a, **k):
+        if order >= 2:
+            raise joint.Unsupported("a later order vjpgen cannot build (the test's)")
+        return orig(cls, fn, fakes, fake_mode, compiler, order, *a, **k)
+
+    monkeypatch.setattr(diffgraph.CompiledGraph, "build", classmethod(build))
+
+    def f(x, h):
+        return (x * h).sin().sum()
+
+    x = torch.randn(4, dtype=torch.double, requires_grad=True)
+
+    def run(fn):
+        h = x.cos()
+        gx, gh = torch.autograd.grad(fn(x, h), (x, h), create_graph=True)
+        (g2,) = torch.autograd.grad((gx * gh).sum(), x)
+        return gx, gh, g2
+
+    ref = run(f)
+    rt.reset_stats()
+    got = run(_compiled(f))
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r)
+    assert rt.stats()["backend"]["fallback_reasons"], "the uncompiled path was not taken"

@@ -58,7 +58,7 @@ def test_adapters_are_kernel_modules():
 
     x = torch.randn(3, requires_grad=True)
     fm = custom_function.module_for(type(Square.apply(x).grad_fn))
-    for m in (fm, diffgraph.BackendFnModule(), higher_order.DiffFnModule()):
+    for m in (fm, diffgraph.GraphFnModule()):
         check_kernel_module(m)
         assert isinstance(m, KernelModule), type(m)
 

@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import torch
 
-from . import capture, decide, engine, fused_optim, graph_task, higher_order, hooks, kernels, leaves, torchscript
+from . import capture, decide, diffgraph, engine, fused_optim, graph_task, higher_order, hooks, kernels, leaves, torchscript
 from . import walk
 from .. import native
 from . import plan as plan_mod
@@ -769,3 +769,6 @@ def expanding(handler):
     finally:
         stack.pop()
         _uninstall()
+
+
+diffgraph.set_expanding(expanding)  # (the compiled graphs' traces route grad calls through it)

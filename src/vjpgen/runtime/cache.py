@@ -136,7 +136,7 @@ class RegionCache:
         self.label = label
         self.by_S: dict = {}  # S -> (by_ints, by_meta), see tables()
         self.dyn_dims: dict = {}  # coarse key -> ({tensor index: set(dims)}, set(int positions))
-        self.last: dict = {}  # coarse key -> (shapes, ints) of the last miss
+        self.last: dict = {}  # coarse key -> (shapes, ints, labels of the ints) of the last miss
         self.last_coarse = None
         self.n_compiled = 0
 
@@ -167,8 +167,17 @@ class RegionCache:
         dd = {k: set(v) for k, v in dd.items()}
         di = set(di)
         changes = []
+        also = ""
+        if prev is None and self.last_coarse is not None and self.last_coarse[1] == ck[1]:
+            # the static part changed but the tensors line up with the last miss's (a create_graph
+            # graph turned dynamic saves its sizes: its node's state changes with them): sizes that
+            # differ from that call are dynamic here too, as dynamo's automatic dynamic shapes keeps
+            # a frame's changed sizes across a recompile for another guard
+            pshapes, pints, plabels = self.last.get(self.last_coarse)
+            prev = (pshapes, _align(pints, plabels, I, labels_I), labels_I)
+            also = _diff_reason(self.last_coarse, ck) + "; "
         if prev is not None:
-            pshapes, pints = prev
+            pshapes, pints, _ = prev
             for ti, (a, b) in enumerate(zip(pshapes, shapes)):
                 for d, (x, y) in enumerate(zip(a, b)):
                     if x != y and d not in dd.get(ti, ()):
@@ -176,13 +185,17 @@ class RegionCache:
                         name = labels_T[ti] if labels_T else f"tensor {ti}"
                         changes.append(f"size of {name} dim {d} changed {x} -> {y}")
             for j, (x, y) in enumerate(zip(pints, I)):
-                if x != y and j not in di:
+                if x is not None and x != y and j not in di:
                     di.add(j)
                     name = labels_I[j] if labels_I else f"int {j}"
                     changes.append(f"{name} changed {x} -> {y}")
-        self.last[ck] = (shapes, list(I))
+            if changes:  # sizes the last call did not have (the static part changed): dynamic with the rest
+                di.update(j for j, x in enumerate(pints) if x is None)
+        self.last[ck] = (shapes, list(I), labels_I)
         if changes:
-            reason = "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else "") + " (now dynamic)"
+            reason = also + "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else "") + " (now dynamic)"
+        elif also:
+            reason = also.rstrip("; ")
         elif prev is not None:
             reason = "strides or dynamic-shape guards changed"
         elif self.n_compiled == 0:
@@ -224,6 +237,26 @@ def find(by_ints: dict, by_meta: dict, T: list, I: list, ints=None):
                 except Exception:  # a guard that cannot evaluate does not match
                     continue
     return None
+
+
+def _align(pints: list, plabels, I: list, labels) -> list:
+    """The previous call's ints at this call's positions (None: an int the previous call did not
+    have), matched by label and occurrence where the lists differ in length."""
+    if len(pints) == len(I):
+        return pints
+    if not plabels or not labels:
+        return [None] * len(I)
+    seen: dict = {}
+    old = {}
+    for v, name in zip(pints, plabels):
+        k = seen[name] = seen.get(name, -1) + 1
+        old[(name, k)] = v
+    seen.clear()
+    out = []
+    for v, name in zip(I, labels):
+        k = seen[name] = seen.get(name, -1) + 1
+        out.append(old.get((name, k)))
+    return out
 
 
 def _diff_reason(old, new) -> str:

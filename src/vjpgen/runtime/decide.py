@@ -370,10 +370,6 @@ def create_graph_reason(plan) -> str | None:
         info = plan.infos[i]
         if info.pyfunc and custom_function.is_once_differentiable(info.cls):
             return f"create_graph through a once_differentiable backward ({info.name})"
-        if info.pyfunc and getattr(info.module, "FIRST_ORDER_ONLY", False):
-            # (a graph the vjpgen torch.compile backend compiled: its kernel is the first-order
-            # backward; its Function's own backward is the differentiable one)
-            return f"create_graph through {info.name}, whose own backward is the differentiable one"
     return None
 
 

@@ -25,17 +25,52 @@ import logging
 
 import torch
 
-from . import api, capture, decide, joint, kernels
+from . import capture, decide, joint, kernels
 from .. import logs
 from .stats import STATS
 
 log = logging.getLogger("vjpgen")
 
+# the next order's vjp is traced only while it runs at most this many times the aten ops of the
+# graph it differentiates (at least MIN_VJP_OPS): a vjp is a few times its function (the function
+# recomputed plus one kernel per op); a composite backward whose differentiable form loops over a
+# dimension (cumprod_backward, prod's double backward) grows 100x and more per order, and
+# tracing and compiling it cost minutes, where running it uncompiled costs milliseconds
+VJP_GROWTH = 20
+MIN_VJP_OPS = 2000
 
-def record_fallback(counters: dict, reason: str) -> None:
+
+def _expanding(handler):
+    """``vjpgen.runtime.api.expanding``: a ``torch.autograd.grad`` inside a traced function goes to
+    ``handler``. The api module (the top layer) registers it at import (:func:`set_expanding`), so
+    imports run one way."""
+    if _EXPANDING is None:  # (the package's import registers it)
+        import vjpgen.runtime  # noqa: F401
+    return _EXPANDING(handler)
+
+
+_EXPANDING = None
+
+
+def set_expanding(cm) -> None:
+    global _EXPANDING
+    _EXPANDING = cm
+
+
+_SECOND_BACKWARD = (
+    "Trying to backward through the graph a second time (or directly access saved tensors after they have "
+    "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
+    "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
+    "if you need to access saved tensors after calling backward."
+)
+
+
+def record_fallback(counters: dict, reason: str, order: int | None = None) -> None:
     """A graph (or an order of one) that is not compiled from vjpgen's kernels, with its reason."""
     counters["fallbacks"] += 1
     counters["fallback_reasons"][reason] += 1
+    if order is not None and "eager_fallbacks" in counters:  # (the runtime's counters, per order)
+        counters["eager_fallbacks"][order] += 1
     log.debug("vjpgen: %s", reason)
 
 
@@ -69,6 +104,24 @@ def _placeholder_vals(gm) -> list:
     return [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
 
 
+class Family:
+    """What the compiled graphs of one function share, whatever sizes each was traced for (static,
+    dynamic): graphs of one family compute the same function, so they are equal (a region that
+    traces a graph's backward node keys on the family, and a graph turning dynamic does not change
+    the key of the regions that differentiate it). A vjp's family is its graph's family's, by mask."""
+
+    __slots__ = ("vjps", "__weakref__")
+
+    def __init__(self):
+        self.vjps: dict = {}
+
+    def vjp(self, mask: tuple) -> "Family":
+        f = self.vjps.get(mask)
+        if f is None:
+            f = self.vjps[mask] = Family()
+        return f
+
+
 class CompiledGraph:
     """A function compiled with a backward built from vjpgen's kernels (see the module docstring).
 
@@ -92,21 +145,23 @@ class CompiledGraph:
         self.vjps: dict = {}  # (mask, requires-grad pattern, sizes) -> CompiledGraph of the vjp
 
     @classmethod
-    def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str, patches=None, counters=None):
+    def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str, patches=None, counters=None,
+              family=None, max_ops=None):
         """Trace, partition and compile; None when no output requires grad. ``patches``: Inductor
         settings (from ``torch.compile``'s ``mode``); ``counters``: the stats() dict it counts into
-        (the backend's by default)."""
+        (the backend's by default); ``family``: the :class:`Family` of the function (a new one by
+        default); ``max_ops``: :class:`joint.TooLarge` when the function runs more aten ops."""
         if counters is None:
             counters = STATS.backend
         joint.prepare()
         # a torch.autograd.grad inside the graph (dynamo's trace_autograd_ops; every vjp graph)
         # is expanded with vjpgen's kernels while tracing
-        with api.expanding(joint.engine_call):
-            meta = joint.analyze(fn, fakes, fake_mode)
+        with _expanding(joint.engine_call):
+            meta = joint.analyze(fn, fakes, fake_mode, max_ops)
         if not meta.diff_outputs:
             return None
         with capture.LOCK:
-            with api.expanding(joint.engine_call):
+            with _expanding(joint.engine_call):
                 gm = joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
             deps = capture.output_deps(gm)
             fw_gm, bw_gm = joint.partition(gm, meta, compiler)
@@ -134,7 +189,15 @@ class CompiledGraph:
                                            patches)
         counters["compiles"][order] += 1
         cg = cls(fn, meta, fw, bw, tuple(bw_args), len(fw_out) - n_fw, order, compiler, label, fw_gm, bw_gm, counters)
+        cg.family = family if family is not None else Family()
         cg.patches = patches
+        # per argument of a vjp of this graph (its inputs, then its differentiable outputs'
+        # tangents): the dimensions that are symbolic here (a vjp of a dynamic graph is dynamic
+        # in the same dimensions from its first trace)
+        arg_vals = [*fakes, *[meta.out_fakes[j] for j in meta.diff_outputs]]
+        cg.sym_dims = tuple(
+            frozenset(d for d, n in enumerate(v.shape) if not isinstance(n, int)) if isinstance(v, torch.Tensor)
+            else (not isinstance(v, int)) for v in arg_vals)
         cg.saved_kinds = tuple(isinstance(a.meta.get("val"), torch.Tensor) for a in fw_out[n_fw:])
         # the inputs the backward reads as they are (saved by the forward unchanged): their versions
         # are checked at the backward, as eager checks a saved input's (a compiled forward may
@@ -149,6 +212,12 @@ class CompiledGraph:
         cg.fw_deps = tuple(deps[:len(meta.out_kinds)])
         cg.bw_deps = tuple(frozenset(t - n for t in d if t >= n) for d in deps[n_fw:n_fw + n])
         return cg
+
+    def __eq__(self, other):
+        return isinstance(other, CompiledGraph) and other.family is self.family
+
+    def __hash__(self):
+        return id(self.family)
 
     # -- calling
 
@@ -193,10 +262,11 @@ class CompiledGraph:
 
     def vjp_graph(self, mask: tuple, args: list):
         """The CompiledGraph of this graph's vjp with respect to the inputs in ``mask``, for
-        ``args`` (primals then tangents): traced at their exact sizes on first use; when sizes
-        change (a force field trained on molecules of different atom counts), traced once more
-        with the dimensions that changed symbolic, valid where its shape guards hold (as the
-        runtime's regions turn dynamic after one change)."""
+        ``args`` (primals then tangents): traced at their exact sizes on first use (for a dynamic
+        graph: with its symbolic dimensions symbolic); when sizes change (a force field trained
+        on molecules of different atom counts), traced once more with the dimensions that changed
+        symbolic, valid where its shape guards hold (as the runtime's regions turn dynamic after
+        one change)."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         ints = [a for a in args if not isinstance(a, torch.Tensor)]
         # the structure: everything but the sizes (the tensors' and the int arguments, which dynamo
@@ -218,37 +288,54 @@ class CompiledGraph:
             wrt = tuple(i for i, m in enumerate(mask) if m)
             fn = joint.vjp_fn(self.fn, self.meta.n_inputs, wrt, self.meta.diff_outputs)
             first = fam["first"]
+            t_dyn = [d for d, a in zip(self.sym_dims, args) if isinstance(a, torch.Tensor)]
+            i_dyn = [d for d, a in zip(self.sym_dims, args) if not isinstance(a, torch.Tensor)]
             if first is None:
                 fam["first"] = exact
-                fakes, fake_mode = _static_fakes(args)
-                cg = self._build_vjp(fn, fakes, fake_mode)
-                fam["static"][exact] = cg if cg is not None else False
-                return cg
+                if not any(t_dyn) and not any(i_dyn):  # a static graph: its vjp static first
+                    fakes, fake_mode = _static_fakes(args)
+                    cg = self._build_vjp(fn, fakes, fake_mode, mask)
+                    fam["static"][exact] = cg if cg is not None else False
+                    return cg
+                # a dynamic graph: its vjp dynamic in the same dimensions
+                dd = {k: set(d) for k, d in enumerate(t_dyn) if d}
+                di = {j for j, d in enumerate(i_dyn) if d}
+            else:  # sizes changed since the first trace: those dimensions symbolic
+                dd = {}
+                for k, ((shape, _), (shape0, _)) in enumerate(zip(exact[0], first[0])):
+                    dims = {d for d, (a, b) in enumerate(zip(shape, shape0)) if a != b} | set(t_dyn[k])
+                    if dims:
+                        dd[k] = dims
+                di = {j for j, (a, b) in enumerate(zip(exact[1], first[1])) if a != b or i_dyn[j]}
             from .cache import make_guard
 
-            dd = {}
-            for k, ((shape, _), (shape0, _)) in enumerate(zip(exact[0], first[0])):
-                dims = {d for d, (a, b) in enumerate(zip(shape, shape0)) if a != b}
-                if dims:
-                    dd[k] = dims
-            di = {j for j, (a, b) in enumerate(zip(exact[1], first[1])) if a != b}
             tfakes, ivals, shape_env, fake_mode = capture.fakeify(tensors, ints, dd, di)
             it_t, it_i = iter(tfakes), iter(ivals)
             fakes = [next(it_t) if isinstance(a, torch.Tensor) else next(it_i) for a in args]
-            cg = self._build_vjp(fn, fakes, fake_mode)
+            cg = self._build_vjp(fn, fakes, fake_mode, mask)
             guard, _ = make_guard(shape_env, tfakes, ivals)
             fam["dynamic"].append((guard, cg if cg is not None else False))
             return cg
 
 
-    def _build_vjp(self, fn, fakes, fake_mode):
+    def _build_vjp(self, fn, fakes, fake_mode, mask):
         """The next order's CompiledGraph, or an :class:`EagerVjp` (counted) where vjpgen cannot
         build its joint: that order is then computed by running ``fn`` (vjpgen's kernels on the
         real tensors, recorded by autograd), eager's values, never an error eager does not raise."""
         order = self.order + 1
+        n_ops = sum(1 for n in self.fw_gm.graph.nodes if n.op == "call_function")
+        budget = max(MIN_VJP_OPS, VJP_GROWTH * n_ops)
         try:
-            return CompiledGraph.build(fn, fakes, fake_mode, self.compiler, order, self.label, self.patches,
-                                       self.counters)
+            try:
+                return CompiledGraph.build(fn, fakes, fake_mode, self.compiler, order, self.label, self.patches,
+                                           self.counters, self.family.vjp(mask), budget)
+            except Exception as e:  # (a kernel's trace error wraps it)
+                big = e if isinstance(e, joint.TooLarge) else e.__cause__
+                raise big if isinstance(big, joint.TooLarge) else e
+        except joint.TooLarge as e:
+            reason = (f"{e}, over {VJP_GROWTH}x the {n_ops} of order {order - 1}'s forward (a backward formula "
+                      f"whose differentiable form grows with the sizes, e.g. cumprod_backward's loop): this order "
+                      f"runs uncompiled")
         except joint.Unsupported as e:
             reason = str(e)
         except kernels.OverrideError:  # the user's own formula is wrong: say so, as at order 1
@@ -256,7 +343,7 @@ class CompiledGraph:
         except Exception as e:  # noqa: BLE001 - the order runs uncompiled, with a warning
             reason = f"{type(e).__name__} while building the joint: {str(e).splitlines()[0][:200] if str(e) else ''}"
             log.warning("vjpgen backend: %s; order %d of this graph runs uncompiled (please report it)", reason, order)
-        record_fallback(self.counters, f"order {order}: {reason}")
+        record_fallback(self.counters, f"order {order}: {reason}", order)
         return EagerVjp(fn, reason)
 
 
@@ -271,6 +358,10 @@ class EagerVjp:
 
     def call(self, args: list):
         with torch.enable_grad():
+            # each argument as a new alias: the vjp differentiates with respect to the arguments as
+            # independent variables (as the traced joint does), never through the real history one
+            # argument may have from another (a saved result and its input)
+            args = [a.view_as(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
             return tuple(self.fn(*args))
 
 
@@ -358,6 +449,23 @@ class GraphFn(torch.autograd.Function):
                 return (None, None, *grads)
             # no grad depends on anything that requires grad (the vjp of a sum is its tangent
             # expanded): the first-order backward computes them
+        elif ctx.primals is not None:
+            mask = _engine_mask(ctx, meta)
+            if mask != tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs)):
+                # grads the running backward does not use are not computed (eager's node does not
+                # compute them, and their kernels may raise): the vjp for the inputs it uses
+                primals = ctx.primals
+                grads = _differentiable_backward(ctx, cg, tangents, gouts, mask)
+                if grads is None:  # a vjp that is constant in the inputs (nothing to compile it
+                    # as a differentiable graph for): vjpgen's kernels run on the real tensors
+                    wrt = tuple(i for i, m in enumerate(mask) if m)
+                    fn = joint.vjp_fn(cg.fn, meta.n_inputs, wrt, meta.diff_outputs)
+                    outs = EagerVjp(fn, "constant vjp").call([*primals, *tangents])
+                    cg.counters["uncompiled_vjp_calls"] += 1
+                    grads = [None] * meta.n_inputs
+                    for i, g in zip(wrt, outs):  # (None: the grad does not reach that input: zero)
+                        grads[i] = None if g is None else g.detach()
+                return (None, None, *grads)
         _check_versions(ctx, cg.saved_inputs)
         args = cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents)
         del tangents
@@ -387,23 +495,29 @@ def _check_versions(ctx, positions) -> None:
             )
 
 
-def _differentiable_backward(ctx, cg, tangents, gouts):
+def _differentiable_backward(ctx, cg, tangents, gouts, mask=None):
     """A create_graph backward: the grads as the outputs of the vjp's own compiled graph, called
-    on the inputs (whose history it keeps) and the tangents."""
+    on the inputs (whose history it keeps) and the tangents; with grad mode off (``mask``: a
+    narrower set of inputs than the graph's backward computes) the same graph, called plainly."""
     primals = ctx.primals
     if primals is None:
-        raise RuntimeError(
-            "Trying to backward through the graph a second time (or directly access saved tensors after they have "
-            "already been freed). Saved intermediate values of the graph are freed when you call .backward() or "
-            "autograd.grad(). Specify retain_graph=True if you need to backward through the graph a second time or "
-            "if you need to access saved tensors after calling backward."
-        )
+        raise RuntimeError(_SECOND_BACKWARD)
     _check_versions(ctx, range(len(primals)))
     meta = cg.meta
-    mask = tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs))
+    if mask is None:
+        mask = _engine_mask(ctx, meta)
+    if not any(mask):
+        return [None] * meta.n_inputs
     args = [*primals, *tangents]
     if not torch._C._autograd._get_current_graph_task_keep_graph():
         ctx.primals = None
+    if decide.in_legacy_vmap() and torch.is_grad_enabled():
+        # torch's engine differentiating this node inside its legacy vmap (batched grads) with
+        # create_graph: a custom Function node made there differentiates wrongly later (torch's own
+        # Functions do too), so the vjp is plain differentiable ops, torch.func.vjp's of the function
+        record_fallback(cg.counters, f"order {cg.order + 1}: create_graph inside torch's vmap (batched grads): "
+                        "torch.func.vjp of the function", cg.order + 1)
+        return _func_vjp(cg.fn, primals, mask, tangents, meta.diff_outputs)
     vg = cg.vjp_graph(mask, args)
     if vg is None:  # no grad requires grad: not None, but constants (the caller's first-order path)
         return None
@@ -421,6 +535,47 @@ def _differentiable_backward(ctx, cg, tangents, gouts):
     return res
 
 
+def _engine_will_execute(node) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf that torch.autograd.grad captures: its grad is wanted
+        return True
+
+
+def _engine_mask(ctx, meta) -> tuple:
+    """Per input: its grad is needed and the running backward will use it, as an eager node asks
+    ``task_should_compute_output`` (a grad that only flows to an input nobody asked for is not
+    computed: its kernel may raise where eager, which never runs it, does not)."""
+    nf = ctx.next_functions  # one edge per tensor input, in order
+    edge = {i: j for j, i in enumerate(meta.tensor_inputs)}
+    return tuple(
+        bool(ctx.needs_input_grad[2 + i]) and i in edge and nf[edge[i]][0] is not None
+        and _engine_will_execute(nf[edge[i]][0])
+        for i in range(meta.n_inputs)
+    )
+
+
+def _func_vjp(fn, primals, mask, tangents, diff_outputs) -> list:
+    """The grads of ``fn``'s outputs ``diff_outputs`` for the inputs in ``mask`` by
+    ``torch.func.vjp`` (eager, differentiable as plain ops), None elsewhere."""
+    idx = [i for i, m in enumerate(mask) if m]
+
+    def f(*d):
+        a = list(primals)
+        for i, x in zip(idx, d):
+            a[i] = x
+        outs = fn(*a)
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        return tuple(outs[j] for j in diff_outputs)
+
+    _, pull = torch.func.vjp(f, *[primals[i] for i in idx])
+    gs = pull(tuple(tangents))
+    res = [None] * len(primals)
+    for i, g in zip(idx, gs):
+        res[i] = g
+    return res
+
+
 def _undefine(grads: list, deps, gouts, diff_outputs, offset: int) -> None:
     """Set to None (in place) each grad that depends on no tangent defined on this call (eager
     never reaches that input: its grad stays undefined, not zeros). ``deps[k]``: the positions
@@ -433,24 +588,30 @@ def _undefine(grads: list, deps, gouts, diff_outputs, offset: int) -> None:
             grads[k] = None
 
 
-class BackendFnModule:
-    """The generated-module interface of :class:`GraphFn`'s node, for vjpgen's runtime
-    (``vjpgen.runtime.compiled_autograd()`` around a backward through a graph this backend
-    compiled): the node's first-order backward is the graph's backward module (aten ops), traced
-    into the runtime's region with the rest of its nodes. A create_graph call through it goes to
-    torch.autograd (``FIRST_ORDER_ONLY``, decide.create_graph_reason), which runs the Function's
-    own differentiable backward. A :class:`vjpgen.runtime.protocols.KernelModule`."""
+class GraphFnModule:
+    """The generated-module interface of :class:`GraphFn`'s node (the ``KernelModule`` contract of
+    vjpgen.runtime.kernels), so a later backward through a compiled graph's outputs under
+    ``compiled_autograd()`` / ``vjpgen.runtime.grad`` traces the node into its region with the rest
+    of its nodes: at first order the graph's partitioned backward (aten ops, on the forward's saved
+    values); under ``create_graph`` (a region traced in grad mode) the vjp of the graph's function
+    on its inputs, vjpgen's kernels again (:func:`vjpgen.runtime.joint.vjp_fn`), so the grads keep
+    their history to the inputs."""
 
     NAME = "GraphFnBackward"
-    SAVED = ("graph", "saved_tensors", "saved_sizes", "output_metadata")
-    SCHEMA = ("Any", "Tensor[]", "SymInt[]", "(SymInt[], ScalarType, Device)[]")
+    SAVED = ("graph", "saved_tensors", "saved_sizes", "output_metadata", "input_tensors", "input_ints")
+    SCHEMA = ("Any", "Tensor[]", "SymInt[]", "(SymInt[], ScalarType, Device)[]", "Tensor[]", "SymInt[]")
     USES_EDGE_META = False
     TRANSLATED = True
-    FIRST_ORDER_ONLY = True
 
     def get_saved(self, node, edge_meta=None) -> list:
         outs = tuple((tuple(s), dt, dev) for s, dt, dev in node.diff_meta)
-        return [node.cg, list(node.saved_tensors), list(node.saved_other), outs]
+        # (the forward's saved values carry no history: one that is a view of an input, unpacked,
+        # would look like a leaf that requires grad without a grad accumulator)
+        # the inputs (for a create_graph backward: the vjp is taken on them), [] once freed
+        prim = node.primals
+        ins = [] if prim is None else [a for a in prim if isinstance(a, torch.Tensor)]
+        ints = [] if prim is None else [a for a in prim if not isinstance(a, torch.Tensor)]
+        return [node.cg, [t.detach() for t in node.saved_tensors], list(node.saved_other), outs, ins, ints]
 
     def get_needs(self, node, should_compute=None) -> tuple:
         nf = node.next_functions
@@ -459,7 +620,7 @@ class BackendFnModule:
     def get_state(self, node, should_compute=None) -> list:
         return [self.get_needs(node, should_compute), *self.get_saved(node)]
 
-    def apply_functional(self, grads, needs_input_grad, cg, tensors, sizes, outs):
+    def apply_functional(self, grads, needs_input_grad, cg, tensors, sizes, outs, input_tensors, input_ints):
         meta = cg.meta
         gouts = [None] * len(meta.out_kinds)
         tensor_outs = [j for j, k in enumerate(meta.out_kinds) if k == "tensor"]
@@ -469,8 +630,23 @@ class BackendFnModule:
             torch.zeros(shape, dtype=dt, device=dev) if gouts[j] is None else gouts[j].contiguous()
             for j, (shape, dt, dev) in zip(meta.diff_outputs, outs)
         ]
-        res = list(cg.bw_gm(*cg.bw_inputs(tensors, sizes, tangents))[:meta.n_inputs])
-        _undefine(res, cg.bw_deps, gouts, meta.diff_outputs, 0)
+        if torch.is_grad_enabled():  # create_graph: the vjp of the function, on its inputs
+            if len(input_tensors) != len(meta.tensor_inputs):
+                raise RuntimeError(_SECOND_BACKWARD)
+            it_t, it_i = iter(input_tensors), iter(input_ints)
+            ti = set(meta.tensor_inputs)
+            primals = [next(it_t) if i in ti else next(it_i) for i in range(meta.n_inputs)]
+            wanted = set(i for i, n in zip(meta.tensor_inputs, needs_input_grad) if n)
+            wrt = tuple(i for i in range(meta.n_inputs) if i in wanted)
+            gs = joint.vjp_fn(cg.fn, meta.n_inputs, wrt, meta.diff_outputs)(*primals, *tangents)
+            cg.counters["traced_vjps"][cg.order + 1] += 1
+            res = [None] * meta.n_inputs
+            for i, g in zip(wrt, gs):
+                res[i] = g
+        else:
+            res = list(cg.bw_gm(*cg.bw_inputs(tensors, sizes, tangents))[:meta.n_inputs])
+            _undefine(res, cg.bw_deps, gouts, meta.diff_outputs, 0)
+            cg.counters["traced_vjps"][cg.order + 1] += 1
         per_edge = [res[i] for i in meta.tensor_inputs]  # one edge per tensor input
         return [g if n else None for g, n in zip(per_edge, needs_input_grad)]
 
@@ -478,4 +654,4 @@ class BackendFnModule:
         return self.apply_functional(grads, *stack)
 
 
-GraphFn.vjpgen_module = BackendFnModule()
+GraphFn.vjpgen_module = GraphFnModule()

@@ -207,11 +207,31 @@ def _as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def analyze(fn, fakes, fake_mode) -> JointMeta:
+class TooLarge(Unsupported):
+    """The function's trace passed its op budget (see :func:`analyze`)."""
+
+
+class _OpBudget(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops a trace runs and raises :class:`TooLarge` past ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        if self.n > self.limit:
+            raise TooLarge(f"its trace passed {self.limit} aten ops")
+        return func(*args, **(kwargs or {}))
+
+
+def analyze(fn, fakes, fake_mode, max_ops: int | None = None) -> JointMeta:
     """Run ``fn`` once over functional fakes and read what the joint needs: which outputs get a
     tangent, which inputs it mutates. Raises :class:`Unsupported` for what the backend leaves to
     AOTAutograd: non-tensor outputs, outputs that share storage with an input, metadata mutations,
-    data mutations of inputs that require grad, a mutated input that shares storage with another."""
+    data mutations of inputs that require grad, a mutated input that shares storage with another.
+    ``max_ops``: raise :class:`TooLarge` once the function has run that many aten ops."""
     from torch._functorch._aot_autograd.functional_utils import (
         from_fun,
         has_data_mutation,
@@ -228,7 +248,7 @@ def analyze(fn, fakes, fake_mode) -> JointMeta:
         for i, a in enumerate(fargs):
             if isinstance(a, torch.Tensor):
                 in_storage.setdefault(StorageWeakRef(a.untyped_storage()), []).append(i)
-        with torch.enable_grad():
+        with torch.enable_grad(), (_OpBudget(max_ops) if max_ops else contextlib.nullcontext()):
             outs = _as_tuple(fn(*fargs))
         kinds, diff, nondiff, out_fakes = [], [], [], []
         for j, o in enumerate(outs):
@@ -330,7 +350,24 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
         gm = make_fx(joint, decomposition_table=decompositions or {}, tracing_mode="real",
                      _allow_non_fake_inputs=False)(list(fakes), tangents)
     _flatten_io(gm)
+    _drop_none_items(gm)
     return gm
+
+
+def _drop_none_items(gm: torch.fx.GraphModule) -> None:
+    """An item of a multi-output op that is None (``convolution_backward`` with a grad it was not
+    asked for): its readers get None itself and the item goes (the partitioners expect every value
+    of the forward to be a tensor or a size)."""
+    import operator
+
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is operator.getitem and n.meta.get("val") is None:
+            n.replace_all_uses_with(None)
+            gm.graph.erase_node(n)
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def _flatten_io(gm: torch.fx.GraphModule) -> None:
@@ -391,12 +428,27 @@ def vjp_fn(fn, n_args: int, wrt: tuple, diff_outputs: tuple):
         tangents = list(args[n_args:])
         with torch.enable_grad():
             outs = _as_tuple(fn(*prim))
-        grads = grad_inline([outs[j] for j in diff_outputs], [prim[i] for i in wrt], tangents, True)
-        # a grad that is a view of an argument (the vjp of a sum: the tangent expanded) is copied:
-        # a compiled graph's outputs never alias its inputs (nor does an eager backward's grad)
-        args_st = {StorageWeakRef(a.untyped_storage()) for a in args if isinstance(a, torch.Tensor)}
-        return [g.clone() if isinstance(g, torch.Tensor) and StorageWeakRef(g.untyped_storage()) in args_st else g
-                for g in grads]
+        return grad_inline([outs[j] for j in diff_outputs], [prim[i] for i in wrt], tangents, True)
 
-    return vjp
+    # (a grad that is a view of an argument, the vjp of a sum: the tangent expanded)
+    return no_alias(vjp)
+
+
+def no_alias(fn):
+    """``fn`` whose outputs that share storage with an argument are copies: the outputs of a
+    compiled graph never alias its inputs (:func:`analyze` rejects such a function), nor does a
+    grad an eager backward returns."""
+
+    def storage(t):
+        try:
+            return StorageWeakRef(t.untyped_storage())
+        except (NotImplementedError, RuntimeError):  # a functorch wrapper (torch.func.vjp of fn): no storage
+            return None
+
+    def f(*args):
+        outs = fn(*args)
+        args_st = {storage(a) for a in args if isinstance(a, torch.Tensor)} - {None}
+        return [o.clone() if isinstance(o, torch.Tensor) and storage(o) in args_st else o for o in outs]
+
+    return f
 

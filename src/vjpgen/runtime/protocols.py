@@ -3,9 +3,9 @@
 :class:`KernelModule` is what the executor (plan, engine, fastpath, joint, compiled autograd's
 hook) reads from a backward node's kernel: every generated module (``vjpgen.generated`` and an
 override package; the template ``templates/module.py.j2``), a custom ``autograd.Function``'s
-adapter (:class:`vjpgen.runtime.custom_function.FunctionModule`) and the node of a graph compiled
-by the ``vjpgen`` backend (:class:`vjpgen.runtime.diffgraph.BackendFnModule`) and of a runtime
-create_graph graph (:class:`vjpgen.runtime.higher_order.DiffFnModule`).
+adapter (:class:`vjpgen.runtime.custom_function.FunctionModule`) and the node of a differentiable
+compiled graph (:class:`vjpgen.runtime.diffgraph.GraphFnModule`: the ``vjpgen`` backend's graphs
+and the runtime's create_graph regions, one mechanism).
 
 :class:`RegionKind` is how the executor (``engine._run_region``) runs a region: one lookup, the
 kind decides where compiled entries live and how they are called; :class:`CompilingKind` adds what

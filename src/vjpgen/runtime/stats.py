@@ -41,8 +41,10 @@ class _Stats:
             "compiles": Counter(),  # order -> graphs traced and compiled
             # order -> vjps of create_graph graphs traced into a later backward's region
             "traced_vjps": Counter(),
-            "eager_fallbacks": Counter(),  # order -> calls computed eagerly (counted, eager's values)
+            "eager_fallbacks": Counter(),  # order -> calls or orders not compiled (counted, eager's values)
+            "fallbacks": 0,  # their total
             "fallback_reasons": Counter(),  # "order N: reason" -> count
+            "uncompiled_vjp_calls": 0,  # calls of a vjp whose joint could not be built (run uncompiled)
         }
         # the optimizer step inside the compiled backward (runtime/fused_optim.py)
         self.fused_optimizer = {
@@ -58,6 +60,8 @@ class _Stats:
             "fallbacks": 0,  # graphs handed to torch's AOTAutograd (vjpgen could not build the joint)
             "fallback_reasons": Counter(),  # "reason" for a graph, "order N: reason" for a vjp
             "uncompiled_vjp_calls": 0,  # calls of a vjp whose joint could not be built (run uncompiled)
+            # order -> a compiled graph's vjp traced into a later backward's region (create_graph)
+            "traced_vjps": Counter(),
             # nodes of a joint with no vjpgen kernel (a custom Function's backward, a node without a
             # generated module, hooks): their own backward was traced into the joint, "Class: reason"
             "own_backward_nodes": Counter(),
