@@ -307,13 +307,13 @@ def expected_stages(stages) -> list:
 STAGE_TIMERS = (
     (rt_api, "_run", "total"),  # backward()/grad() -> _run: the whole call
     (rt_walk, "walk_fast", "walk"),  # api: walk.walk_fast (native walk with input metadata)
-    (rt_engine, "execute", "execute"),  # api._execute: engine.execute (the plan's steps)
-    (rt_fastpath, "lookup", "gather"),  # engine._run_region: fastpath.lookup (specialized gather)
-    # engine._run_region: find (cache.find imported into engine), the cache's guards in Python; an
+    (rt_engine, "execute", "execute"),  # api.execute_call: engine.execute (the plan's steps)
+    (rt_fastpath, "lookup", "gather"),  # engine.run_region: fastpath.lookup (specialized gather)
+    # engine.run_region: find (cache.find imported into engine), the cache's guards in Python; an
     # armed native gather checks its entry's guards itself (in "gather"), and find is not called
     (rt_engine, "find", "guards"),
-    (rt_engine, "release_nodes", "release"),  # engine._run_region: release_nodes (no retain_graph)
-    (rt_leaves, "accumulate_leaves", "leaf sinks"),  # api._execute: leaves.accumulate_leaves
+    (rt_engine, "release_nodes", "release"),  # engine.run_region: release_nodes (no retain_graph)
+    (rt_leaves, "accumulate_leaves", "leaf sinks"),  # api.execute_call: leaves.accumulate_leaves
 )
 
 

@@ -221,7 +221,7 @@ def _fused_timers():
     """(object, attribute, label) of what a vjpgen backward does beside bench_backward's stages, each
     looked up there per call: the compiled graph's call (``engine.call_and_scatter``, from the fused
     and the plain region kinds), the fused call's setup (``fused_optim.FusedCall(opt, plan, nodes)``
-    in ``api._execute``: the optimizer's state and learning rates as the graph's inputs) and its
+    in ``api.execute_call``: the optimizer's state and learning rates as the graph's inputs) and its
     finish (the step counts copied back, the ``.grad`` let go), the step after the backward
     (``fused_optim.step`` in ``api._run``: the plain ``opt.step()`` and ``zero_grad``)."""
     from vjpgen.runtime import engine, fused_optim

@@ -96,7 +96,7 @@ def test_higher_order_mode_catches_a_kernel_that_detaches(monkeypatch):
     from tests.conformance import run_higher_order
     from vjpgen.runtime import plan as plan_mod
 
-    real = plan_mod._get_module
+    real = plan_mod.module_named
 
     class Detaching:
         def __init__(self, m):
@@ -108,7 +108,7 @@ def test_higher_order_mode_catches_a_kernel_that_detaches(monkeypatch):
         def apply_functional(self, grads, nig, *saved):
             return self.m.apply_functional(grads, nig, *[s.detach() for s in saved])
 
-    monkeypatch.setattr(plan_mod, "_get_module",
+    monkeypatch.setattr(plan_mod, "module_named",
                         lambda name: Detaching(real(name)) if name == "TanhBackward0" else real(name))
     rt.clear_cache()
     res, _ = run_higher_order(["tanh"], max_samples=1)

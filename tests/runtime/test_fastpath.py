@@ -26,13 +26,13 @@ def _same(a, b) -> bool:
 @pytest.fixture
 def compare_gathers(monkeypatch):
     """Check every specialized gather against the general one on the same live inputs."""
-    orig = engine._run_region
+    orig = engine.run_region
     seen = {"checked": 0, "accepted": 0}
 
     def checked(region, plan, nodes, metas, buf, ctx):
         # the hot path's inlined encoding is the reference writer's (capture.flatten for every value)
-        S, T, I, _, _, _ = engine._gather(region, plan, nodes, metas, buf)
-        rS, rT, rI, _, _, _ = engine._gather(region, plan, nodes, metas, buf, labels=True)
+        S, T, I, _, _, _ = engine.gather(region, plan, nodes, metas, buf)
+        rS, rT, rI, _, _, _ = engine.gather(region, plan, nodes, metas, buf, labels=True)
         assert S == rS and I == rI and len(T) == len(rT) and all(_same(a, b) for a, b in zip(T, rT)), region.label
         seen["reference"] = seen.get("reference", 0) + 1
         learned = plan.learned.regions[region.index]
@@ -52,7 +52,7 @@ def compare_gathers(monkeypatch):
             seen["checked"] += 1
         return orig(region, plan, nodes, metas, buf, ctx)
 
-    monkeypatch.setattr(engine, "_run_region", checked)
+    monkeypatch.setattr(engine, "run_region", checked)
     return seen
 
 

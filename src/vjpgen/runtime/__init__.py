@@ -29,7 +29,7 @@ from .ca_kernels import (  # noqa: E402
 from .api import backward, call_functional, clear_cache, compiled_autograd, grad  # noqa: E402
 from . import api as _api, torchscript as _torchscript  # noqa: E402
 
-_torchscript.register_builtins(_api._patched_autograd_grad, _api._patched_autograd_backward)
+_torchscript.register_builtins(_api.patched_autograd_grad, _api.patched_autograd_backward)
 from .explain import explain  # noqa: E402
 from .kernels import use_kernels  # noqa: E402
 from .stats import reset_stats, stats  # noqa: E402

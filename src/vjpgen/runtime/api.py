@@ -120,7 +120,7 @@ def call_functional(node, grads) -> tuple:
     n_out = len(node._input_metadata)
     if len(grads) != n_out:  # eager's node(*grads) message, with the node's name
         raise TypeError(f"{name}: expected {n_out} arguments, got {len(grads)} instead")
-    m = plan_mod._get_module(name)
+    m = plan_mod.module_named(name)
     if m is None:
         raise NotImplementedError(
             f"vjpgen: no generated module for backward node {name}; call the node itself (node(*grads)) "
@@ -212,8 +212,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
               grads_made=False):
     if backend not in BACKENDS and not callable(backend):
         raise ValueError(f"vjpgen: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if not torchscript._done:
-        torchscript.plain_autodiff()
+    torchscript.plain_autodiff()  # (once; then a flag test)
     STATS.backward_calls += 1
     reason = decide.call_fallback((*outputs, *(inputs or ())))
     if reason is not None:
@@ -276,7 +275,7 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         with capture.LOCK:  # threads: one plan per structure (another thread may have just built it)
             plan = _PLANS.get(skey)
             if plan is None:
-                plan = _PLANS[skey] = _new_plan(
+                plan = _PLANS[skey] = new_plan(
                     root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate, saved_groups, native_hooks
                 )
     hooked = hooked or {}
@@ -305,17 +304,17 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
         box = []
 
         def job():
-            box.append(_execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
+            box.append(execute_call(call, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate,
                                 allow_unused, create_graph))
 
         graph_task.run(job, keep_graph=bool(retain_graph),
                        will_execute=graph_task.execution_oracle(plan, nodes, targets, accumulate))
         return box[0] if box else None
-    return _execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
+    return execute_call(call, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
                     create_graph)
 
 
-def _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate, saved_groups, native_hooks):
+def new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumulate, saved_groups, native_hooks):
     tkey = key
     if type(key) is bytes:  # the native walk's key: the plan reads the tuple form
         walked, _, _, tkey, _ = walk.walk(root_edges, False, False)
@@ -345,7 +344,7 @@ def _new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumula
     return plan
 
 
-def _execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
+def execute_call(call, nodes, metas, grads, inputs, targets, retain_graph, backend, accumulate, allow_unused,
              create_graph=False):
     """Run a plan: the steps, then the sinks (leaf accumulation, captured grads). The one execute
     path of every call; ``create_graph`` picks the region runner and leaf sink that keep the grads'
@@ -367,7 +366,7 @@ def _execute(call, nodes, metas, grads, inputs, targets, retain_graph, backend, 
                 ctx.kind = fused.region_kind(engine.FirstOrder)
             else:
                 fused = None
-    ctx.graphs = _explain_sink[-1] if _explain_sink else None
+    ctx.graphs = explain_sink[-1] if explain_sink else None
     ctx.hooked = hooked
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(create_graph)  # torch.no_grad() without its Python layers (~4 us a call)
@@ -525,7 +524,7 @@ _grad_body = grad.__wrapped__
 # ------------------------------------------------------------------------------------------
 # explain support: region graphs of a call are collected here while explain() runs
 
-_explain_sink: list = []
+explain_sink: list = []
 
 
 # ------------------------------------------------------------------------------------------
@@ -574,7 +573,7 @@ def _plain(x) -> bool:
 
 
 @_opaque
-def _patched_autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
+def patched_autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
                                grad_variables=None, inputs=None):
     """``torch.autograd.backward`` inside a block: the plain spellings straight to vjpgen (as
     ``Tensor.backward``); anything else through torch's function, which reaches the engine hook."""
@@ -588,7 +587,7 @@ def _patched_autograd_backward(tensors, grad_tensors=None, retain_graph=None, cr
 
 
 @_opaque
-def _patched_autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
+def patched_autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
                            only_inputs=True, allow_unused=None, is_grads_batched=False, materialize_grads=False):
     """``torch.autograd.grad`` inside a block: the plain spellings straight to vjpgen; generators,
     dicts, batched or materialized grads through torch's function (then the engine hook)."""
@@ -734,8 +733,8 @@ def _install() -> None:
         _patch_users += 1
         if _patch_users == 1:
             torch.Tensor.backward = _patched_tensor_backward
-            torch.autograd.backward = _patched_autograd_backward
-            torch.autograd.grad = _patched_autograd_grad
+            torch.autograd.backward = patched_autograd_backward
+            torch.autograd.grad = patched_autograd_grad
             torch.autograd.graph._engine_run_backward = _patched_engine_run_backward
             torch.autograd._engine_run_backward = _patched_engine_run_backward
 

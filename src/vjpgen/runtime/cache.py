@@ -93,7 +93,7 @@ class Compiled:
         # outputs checked against the input metadata eager's validate_outputs uses: None until the
         # first call, then False (they matched) or True (convert them on every call)
         self.conform = None
-        self.out_table = None  # engine._out_table: where each output goes (built on the first call)
+        self.out_table = None  # engine.out_table: where each output goes (built on the first call)
         self.from_disk = False  # loaded from the on-disk cache (disk_cache.py): gm is None then
         self.fused_updated = frozenset()  # the sinks whose parameter the graph updates (fused_optim.py)
 

@@ -25,7 +25,7 @@ class CallContext:
         # graph) and the leaf sink of
         # this call's order: engine.FirstOrder and leaves.accumulate_leaves at first order,
         # higher_order's differentiable ones with create_graph (the executor, lookup and miss
-        # path, engine.execute and engine._run_region, are the same)
+        # path, engine.execute and engine.run_region, are the same)
         self.kind = kind
         self.sink = sink
         self.create_graph = create_graph

@@ -29,13 +29,13 @@ log = logging.getLogger("vjpgen")
 # that may become dynamic to I, and a description of everything else to S (the static part of the
 # cache key).  ``unflatten`` rebuilds the value from S, a tensor list and an int list.
 
-_T = "T"  # marker: next tensor (index follows)
-_I = "I"  # marker: next dynamic-eligible int
-_SEQ = "L"  # marker: list/tuple (type, len follow)
-_DC = "D"  # marker: dataclass (type follows, then fields)
+MARK_T = "T"  # marker: next tensor (index follows)
+MARK_I = "I"  # marker: next dynamic-eligible int
+MARK_SEQ = "L"  # marker: list/tuple (type, len follow)
+MARK_DC = "D"  # marker: dataclass (type follows, then fields)
 
 
-def _sym_schema(schema: str) -> bool:
+def sym_schema(schema: str) -> bool:
     """Ints under this schema type may become dynamic (they hold sizes)."""
     return "SymInt" in schema or schema in ("TypeAndSize", "TensorGeometry")
 
@@ -47,28 +47,28 @@ def flatten(value, sym: bool, T: list, tid: dict, I: list, S: list) -> None:
         if pos is None:
             pos = tid[k] = len(T)
             T.append(value)
-        S.append(_T)
+        S.append(MARK_T)
         S.append(pos)
     elif value is None or value is True or value is False:
         S.append(value)
     elif type(value) is int:
         if sym:
             I.append(value)
-            S.append(_I)
+            S.append(MARK_I)
         else:
             S.append(value)
     elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         # a symbolic size (only in a trace: the backend's joint over dynamo's symbolic shapes)
         I.append(value)
-        S.append(_I)
+        S.append(MARK_I)
     elif isinstance(value, (tuple, list, torch.Size)):
-        S.append(_SEQ)
+        S.append(MARK_SEQ)
         S.append(type(value))
         S.append(len(value))
         for v in value:
             flatten(v, sym, T, tid, I, S)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        S.append(_DC)
+        S.append(MARK_DC)
         S.append(type(value))
         for f in dataclasses.fields(value):
             flatten(getattr(value, f.name), sym or f.name.startswith("sym_"), T, tid, I, S)
@@ -77,7 +77,7 @@ def flatten(value, sym: bool, T: list, tid: dict, I: list, S: list) -> None:
             hash(value)
         except TypeError:
             value = ("unhashable", type(value).__name__, repr(value))
-        if isinstance(value, str) and value in (_T, _I, _SEQ, _DC):
+        if isinstance(value, str) and value in (MARK_T, MARK_I, MARK_SEQ, MARK_DC):
             value = ("str", value)
         S.append(value)
 
@@ -85,13 +85,13 @@ def flatten(value, sym: bool, T: list, tid: dict, I: list, S: list) -> None:
 def unflatten(S, pos: int, T, I, ipos: list):
     """Rebuild one value from S[pos:]; returns (value, next_pos). ``ipos`` is a one-element cursor."""
     tag = S[pos]
-    if tag is _T or (type(tag) is str and tag == _T):
+    if tag is MARK_T or (type(tag) is str and tag == MARK_T):
         return T[S[pos + 1]], pos + 2
-    if type(tag) is str and tag == _I:
+    if type(tag) is str and tag == MARK_I:
         v = I[ipos[0]]
         ipos[0] += 1
         return v, pos + 1
-    if type(tag) is str and tag == _SEQ:
+    if type(tag) is str and tag == MARK_SEQ:
         typ, n = S[pos + 1], S[pos + 2]
         pos += 3
         out = []
@@ -101,7 +101,7 @@ def unflatten(S, pos: int, T, I, ipos: list):
         if typ is torch.Size:
             typ = tuple
         return (out if typ is list else typ(out)), pos
-    if type(tag) is str and tag == _DC:
+    if type(tag) is str and tag == MARK_DC:
         typ = S[pos + 1]
         pos += 2
         kw = {}

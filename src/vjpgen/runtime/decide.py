@@ -39,7 +39,7 @@ sparse               it saves a sparse tensor, or its formula reads the layout o
 
 Saved tensors with unpack hooks (``torch.utils.checkpoint``, offloading) do not make a node live;
 they change when its saved values are read: never at plan time, regions cut between hook groups
-(one checkpoint block each, :func:`vjpgen.runtime.plan._segments`), inside the engine's graph task,
+(one checkpoint block each, :func:`vjpgen.runtime.plan.segments`), inside the engine's graph task,
 once (see docs/saved-state.md).
 
 Complex views (``view_as_complex`` / ``view_as_real`` saved by rotary embeddings) are compiled:
@@ -224,7 +224,7 @@ def _kind(t) -> str | None:
     """Why tensor ``t`` cannot be an input of a compiled region on this call, or None."""
     if is_subclass(t):
         return f"tensor subclass ({type(t).__name__})"
-    if sparse._of_sparse(t):
+    if sparse.of_sparse(t):
         return "sparse"
     if t.is_nested:
         return "nested"

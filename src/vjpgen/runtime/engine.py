@@ -29,9 +29,9 @@ from .. import native
 from . import saved as _saved
 from .cache import Compiled, find, guard_from_expr, make_guard
 from .call_context import CallContext, OnesRoot
-from .live import _run_live, _run_live_leaves
+from .live import run_live, run_live_leaves
 from .plan import Plan, Region, with_live
-from .release import _SECOND_BACKWARD, release_nodes
+from .release import SECOND_BACKWARD, release_nodes
 from .stats import STATS, record_break
 
 log = logging.getLogger("vjpgen")
@@ -40,7 +40,7 @@ GC_PAUSED = False  # set by the API while it pauses the cyclic GC for a backward
 
 
 @contextlib.contextmanager
-def _gc_resumed():
+def gc_resumed():
     """Resume the cyclic GC the API paused, while a region traces and compiles (which allocates a
     lot of short-lived cyclic garbage)."""
     if not GC_PAUSED:
@@ -61,7 +61,7 @@ _dtype = torch.dtype
 _Size = torch.Size
 # saved values flatten() puts into S as they are (hashable constants of the graph)
 _CONST_TYPES = frozenset({bool, float, torch.dtype, torch.layout, torch.device, torch.memory_format})
-_TMARK = capture._T
+_TMARK = capture.MARK_T
 
 
 # ------------------------------------------------------------------------------------------
@@ -75,10 +75,10 @@ class _NodeTraceError(Exception):
         self.exc = exc
 
 
-_IMARKS: dict = {}  # n -> (capture._I,) * n
+_IMARKS: dict = {}  # n -> (capture.MARK_I,) * n
 
 
-def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False):
+def gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False):
     """Flatten a region's inputs: (S tuple, T list, I list, tid, labels_T, labels_I).
 
     The labels (names of T and I entries, for miss reasons and explain) come only from the slow
@@ -96,8 +96,8 @@ def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False)
     add_t = T.append
     ext_i = I.extend
     tget = tid.get
-    seq = capture._SEQ
-    imark = capture._I
+    seq = capture.MARK_SEQ
+    imark = capture.MARK_I
     for s in region.in_slots:
         g = buf[s]
         if g is None:
@@ -172,7 +172,7 @@ def _gather(region: Region, plan: Plan, nodes, metas, buf, labels: bool = False)
 
 def _gather_labeled(region: Region, plan: Plan, nodes, metas, buf):
     """The reference writer of a region's key: every value through :func:`capture.flatten`, each
-    tensor and int named (for miss reasons and explain). :func:`_gather`'s inlined hot path, the
+    tensor and int named (for miss reasons and explain). :func:`gather`'s inlined hot path, the
     specialized gathers of fastpath.py and the native gather are tested to produce its (S, T, I)
     (tests/runtime/test_fastpath.py)."""
     T: list = []
@@ -251,7 +251,7 @@ def region_state(region: Region, plan: Plan, S: tuple, T, I: list):
         yield i, nig, saved, emeta
 
 
-def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: list, dyn_ints, present_out: list,
+def make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: list, dyn_ints, present_out: list,
                     after_node=None):
     """The region's function ``fn(*T, *dynamic ints) -> grads`` (the region's out slots, present
     ones): each node's generated kernel on its saved values and incoming grads, grads validated and
@@ -302,8 +302,8 @@ def _make_region_fn(region: Region, plan: Plan, S: tuple, nT: int, I_template: l
     return fn
 
 
-def _compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T=None, labels_I=None, fuse=None):
-    with _gc_resumed(), capture.progress(region, backend):
+def compile_region(region: Region, plan: Plan, S, T, I, dd, di, backend, labels_T=None, labels_I=None, fuse=None):
+    with gc_resumed(), capture.progress(region, backend):
         return _compile_region_now(region, plan, S, T, I, dd, di, backend, labels_T, labels_I, fuse)
 
 
@@ -330,7 +330,7 @@ def _compile_region_now(region: Region, plan: Plan, S, T, I, dd, di, backend, la
     present: list = []
     fake_args = list(fakes[:len(T)]) + [ivals[j] for j in dyn_ints]
     if fuse is None:
-        fn = _make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
+        fn = make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
     else:
         fn = fuse.region_fn(region, plan, S, T, I, dyn_ints, present)
         fake_args += fakes[len(T):]
@@ -397,12 +397,12 @@ def _interpret(region, plan, nodes, metas, buf, ctx, reasons, mode: str = "node"
         ctx.graphs.append(("interpreted", region.label, None, [plan.infos[i].name for i in region.nodes]))
     before = dict(ctx.breaks)
     for i, reason in (reasons or {}).items():
-        decide.break_this_call(ctx, i, (mode, reason))  # (how _run_live runs it, this call)
+        decide.break_this_call(ctx, i, (mode, reason))  # (how run_live runs it, this call)
     ran: list = []
     ctx.partial = ran
     try:
         for i in region.nodes:
-            _run_live(i, plan, nodes, metas, buf, ctx)
+            run_live(i, plan, nodes, metas, buf, ctx)
             ran.append(i)
     except BaseException:
         # eager's error, not a graph break: the breaks this region would have added (a module
@@ -451,16 +451,16 @@ def _raised_by_checkpoint(exc) -> bool:
 
 
 def _lookup_or_compile(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext):
-    """The general path of :func:`_run_region`: flatten, look up, trace and compile on a miss.
+    """The general path of :func:`run_region`: flatten, look up, trace and compile on a miss.
     Returns (Compiled, T, I), or Nones when the region had to be interpreted.
 
     Threads: a miss is handled under :data:`capture.LOCK` (one trace/compile at a time in the
     process); a thread that waited looks the cache up again, so a structure another thread has just
     compiled is a hit, not a second compile."""
     try:
-        S, T, I, tid, _, _ = _gather(region, plan, nodes, metas, buf)
+        S, T, I, tid, _, _ = gather(region, plan, nodes, metas, buf)
     except _NodeTraceError as e:
-        if isinstance(e.exc, RuntimeError) and _SECOND_BACKWARD in str(e.exc):
+        if isinstance(e.exc, RuntimeError) and SECOND_BACKWARD in str(e.exc):
             interpret_until_error(region, plan, nodes, metas, buf, ctx)  # not a graph break
             return None, None, None
         if _raised_by_checkpoint(e.exc):
@@ -490,7 +490,7 @@ def _miss(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext, S, T,
     kind = ctx.kind
     compiled, fk = cache.lookup(S, T, I)  # another thread may have compiled it meanwhile
     if compiled is None:
-        _, _, _, _, lT, lI = _gather(region, plan, nodes, metas, buf, labels=True)
+        _, _, _, _, lT, lI = gather(region, plan, nodes, metas, buf, labels=True)
         dd, di, reason = cache.plan_miss(S, T, I, lT, lI)
         STATS.cache_misses += 1
         if cache.n_compiled:
@@ -530,7 +530,7 @@ def _miss(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext, S, T,
     return compiled, T, I
 
 
-def _run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext) -> bool:
+def run_region(region: Region, plan: Plan, nodes, metas, buf, ctx: CallContext) -> bool:
     """Run one compiled region, of the call's kind (``ctx.kind``: :class:`FirstOrder`, or
     higher_order's create_graph kind): its specialized gather and tables for a structure seen
     before, else the general path; then the kind calls the graph. Returns False when the region
@@ -591,7 +591,7 @@ class FirstOrder:
 
     @staticmethod
     def compile(region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache):
-        return _compile_region(region, plan, S, T, I, dd, di, backend, lT, lI)
+        return compile_region(region, plan, S, T, I, dd, di, backend, lT, lI)
 
     @staticmethod
     def remember(region, plan, nodes, metas, buf, S, T, cache, hit: bool) -> None:
@@ -614,14 +614,14 @@ def call_and_scatter(region, plan, compiled, args: list, metas, buf, ctx) -> lis
         _conform_outputs(region, plan, compiled, outs, metas)
     table = compiled.out_table
     if table is None:
-        table = compiled.out_table = _out_table(region, compiled)
+        table = compiled.out_table = out_table(region, compiled)
     nat = native.module()
     (nat.scatter_outputs if nat is not None else scatter_outputs)(outs, table, buf, ctx.protected)
     return outs
 
 
 def scatter_outputs(outs, table, buf: list, protected: set) -> None:
-    """A compiled region's outputs into ``buf`` by :func:`_out_table`'s ``table`` (the native
+    """A compiled region's outputs into ``buf`` by :func:`out_table`'s ``table`` (the native
     helper's ``scatter_outputs`` does the same in one call)."""
     for j in range(0, len(table), 3):
         s, k, flags = table[j], table[j + 1], table[j + 2]
@@ -638,7 +638,7 @@ def scatter_outputs(outs, table, buf: list, protected: set) -> None:
             buf[s] = buf[s] + g
 
 
-def _out_table(region: Region, compiled) -> tuple:
+def out_table(region: Region, compiled) -> tuple:
     """Where a compiled region's outputs go, three ints per region output: its slot, its position
     in the graph's outputs (-1: not produced) and flags (1: the slot's grad is replaced, not summed;
     2: it may alias an input, so no sink may steal it). Read by native.scatter_outputs."""
@@ -682,11 +682,10 @@ def _conform_outputs(region: Region, plan: Plan, compiled, outs: list, metas) ->
 
 
 def _execute_steps(plan: Plan, nodes, metas, buf, ctx: CallContext, early: dict, progress: list) -> None:
-    """The steps of a plan with leaves accumulated early (see plan._place_sinks) or leaves run live:
+    """The steps of a plan with leaves accumulated early (see plan.place_sinks) or leaves run live:
     a run of consecutive live AccumulateGrad steps (DDP's hooked parameters) is one native call.
     ``progress``: [steps done, last step whose early sinks ran] (read when a step raises)."""
     sink = ctx.sink
-    run_region = _run_region
     if -1 in early:
         sink(plan, nodes, buf, ctx, early[-1])
     steps = list(plan.steps)
@@ -702,9 +701,9 @@ def _execute_steps(plan: Plan, nodes, metas, buf, ctx: CallContext, early: dict,
         elif batch and step.node in live_acc:
             while last + 1 < n and type(steps[last + 1]) is not Region and steps[last + 1].node in live_acc:
                 last += 1
-            _run_live_leaves([s.node for s in steps[k:last + 1]], plan, nodes, buf, ctx)
+            run_live_leaves([s.node for s in steps[k:last + 1]], plan, nodes, buf, ctx)
         else:
-            _run_live(step.node, plan, nodes, metas, buf, ctx)
+            run_live(step.node, plan, nodes, metas, buf, ctx)
         progress[0] = last + 1
         for kk in range(k, last + 1):
             if kk in early:
@@ -744,12 +743,11 @@ def execute(plan: Plan, nodes, metas, root_grads, ctx: CallContext):
         if early or plan.live_acc_bytes:
             _execute_steps(plan, nodes, metas, buf, ctx, early, progress)
             return buf
-        run_region = _run_region
         for step in list(steps):
             if type(step) is Region:
                 run_region(step, plan, nodes, metas, buf, ctx)
             else:
-                _run_live(step.node, plan, nodes, metas, buf, ctx)
+                run_live(step.node, plan, nodes, metas, buf, ctx)
             progress[0] += 1
     except BaseException:
         if plan.acc_sinks:

@@ -137,7 +137,7 @@ def explain(loss, *, svg: str | None = None, print_result: bool = False) -> Expl
     leaves = [n for n in nodes if type(n).__name__ == "AccumulateGrad"]
     edges = [torch.autograd.graph.GradientEdge(n, 0) for n in leaves]
     sink: list = []
-    api._explain_sink.append(sink)
+    api.explain_sink.append(sink)
     counters = copy.deepcopy(vars(STATS))  # explaining is not a backward: stats() stays as it was
     try:
         if edges:
@@ -152,7 +152,7 @@ def explain(loss, *, svg: str | None = None, print_result: bool = False) -> Expl
             else:
                 sink.append(("live", name, None, reason))
     finally:
-        api._explain_sink.pop()
+        api.explain_sink.pop()
         vars(STATS).update(counters)
     ex = Explanation(sink, _kernel_sources(sink))
     if print_result:
@@ -179,7 +179,7 @@ def _backward_breaks(loss) -> list:
         ordinal: dict = {}
         saved_groups = {i: ordinal.setdefault(k, len(ordinal)) for i, k in sorted(saved_hooked.items())}
     root_idx = tuple((index[n], nr) for n, nr in root_edges)
-    plan = api._new_plan(root_edges, walk.as_list(nodes), metas, hooked, key, root_idx, None, True, saved_groups,
+    plan = api.new_plan(root_edges, walk.as_list(nodes), metas, hooked, key, root_idx, None, True, saved_groups,
                          native_hooks)
     if plan.eager_reason is not None:
         return [("(whole backward)", f"runs in torch's engine: {plan.eager_reason}")]

@@ -1,6 +1,6 @@
 """Specialized gathers: a region's input flattening compiled to straight-line Python per structure.
 
-:func:`vjpgen.runtime.engine._gather` flattens a region's incoming grads, saved values and edge
+:func:`vjpgen.runtime.engine.gather` flattens a region's incoming grads, saved values and edge
 metadata into ``(S, T, I)`` (see :mod:`vjpgen.runtime.cache`) and the cache then hashes ``S``.
 From the second call of a graph on, ``S`` is almost always the one seen before, so rebuilding and
 hashing it is pure overhead (about half of a small model's cache-hit call). Like dynamo's guard
@@ -34,7 +34,7 @@ log = logging.getLogger("vjpgen")
 _Tensor = torch.Tensor
 # values that are their own singletons: compared by identity
 _SINGLETON_TYPES = (torch.dtype, torch.layout, torch.memory_format)
-_MARKERS = (capture._T, capture._I, capture._SEQ, capture._DC)  # strings flatten() escapes
+_MARKERS = (capture.MARK_T, capture.MARK_I, capture.MARK_SEQ, capture.MARK_DC)  # strings flatten() escapes
 _MAX_PER_REGION = 4  # specializations kept per region (structures that alternate, e.g. train/eval)
 
 
@@ -79,10 +79,10 @@ class _Writer:
                 self.emit(f"v = {expr}")
                 self.emit(f"if type(v) is not {self.const(type(v))}: return None")
                 self.emit("addT(v)")
-                S.extend((capture._T, self.tid[k]))
+                S.extend((capture.MARK_T, self.tid[k]))
             else:  # the same tensor as an earlier one: it must still be that one
                 self.emit(f"if {expr} is not T[{p}]: return None")
-                S.extend((capture._T, p))
+                S.extend((capture.MARK_T, p))
             return
         tp = type(v)
         if v is None or v is True or v is False:
@@ -93,7 +93,7 @@ class _Writer:
             if sym:
                 self.emit("if type(v) is not int: return None")
                 self.emit("addI(v)")
-                S.append(capture._I)
+                S.append(capture.MARK_I)
             else:
                 self.emit(f"if type(v) is not int or v != {v!r}: return None")
                 S.append(v)
@@ -108,10 +108,10 @@ class _Writer:
         elif (tp is tuple or tp is list or tp is torch.Size) and all(type(x) is int for x in v):
             self.emit(f"v = {expr}")
             self.emit(f"if type(v) is not {self.const(tp)} or len(v) != {len(v)}: return None")
-            S.extend((capture._SEQ, tp, len(v)))
+            S.extend((capture.MARK_SEQ, tp, len(v)))
             if sym:  # sizes: plain ints in eager autograd (anything else fails the lookup's hash)
                 self.emit("extI(v)")
-                S.extend([capture._I] * len(v))
+                S.extend([capture.MARK_I] * len(v))
             else:
                 self.emit(f"if v != {self.const(tuple(v))}: return None" if tp is not list else
                           f"if v != {self.const(list(v))}: return None")
@@ -124,14 +124,14 @@ class _Writer:
             q = self.local()
             self.emit(f"{q} = {expr}")
             self.emit(f"if type({q}) is not {self.const(tp)} or len({q}) != {len(v)}: return None")
-            S.extend((capture._SEQ, tp, len(v)))
+            S.extend((capture.MARK_SEQ, tp, len(v)))
             for k, x in enumerate(v):
                 self.value(x, f"{q}[{k}]", sym)
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):  # e.g. TensorOptions: field by field
             q = self.local()
             self.emit(f"{q} = {expr}")
             self.emit(f"if type({q}) is not {self.const(tp)}: return None")
-            S.extend((capture._DC, tp))
+            S.extend((capture.MARK_DC, tp))
             for f in dataclasses.fields(v):
                 self.value(getattr(v, f.name), f"{q}.{f.name}", sym or f.name.startswith("sym_"))
         else:  # anything else (unhashable or unusual constants): the general code
@@ -152,7 +152,7 @@ class _Writer:
 
 def specialize(region, plan, nodes, metas, buf, S: tuple):
     """A function ``f(nodes, metas, buf) -> (T, I) | None`` that gathers ``region``'s inputs for
-    inputs whose static part is ``S`` (from :func:`vjpgen.runtime.engine._gather` on these same
+    inputs whose static part is ``S`` (from :func:`vjpgen.runtime.engine.gather` on these same
     ``nodes``/``metas``/``buf``), or None when this structure cannot be specialized."""
     w = _Writer()
     emit = w.emit

@@ -169,7 +169,7 @@ class Fuse:
         weight's own backward node, usually), so its grad dies there, and every read of the
         parameter in the backward sees the value from before the step, as eager's step after the
         backward. ``T`` and ``I``: the region's real inputs (the emission points are read from them)."""
-        from .engine import _make_region_fn
+        from .engine import make_region_fn
 
         kind = self.kind
         specs = self.specs
@@ -212,7 +212,7 @@ class Fuse:
             for s in where.get(i, ()):
                 update(s, bufs.pop(s, None))
 
-        base = _make_region_fn(region, plan, S, nT, list(I), dyn_ints, present, after_node)
+        base = make_region_fn(region, plan, S, nT, list(I), dyn_ints, present, after_node)
 
         def fused_fn(*args):
             extras = args[n_args:]
@@ -712,7 +712,7 @@ def _init_state(kind, group, p, state) -> None:
 
 
 class _FusedKind:
-    """The region kind of a call with a fused optimizer (the executor's lookup, engine._run_region):
+    """The region kind of a call with a fused optimizer (the executor's lookup, engine.run_region):
     the base kind for regions without a fused parameter; for the others their own specialized
     gathers and a region cache per fused signature, the region traced with its updates, and a call
     that passes the parameters and state after the region's tensors."""
@@ -761,9 +761,9 @@ class _FusedKind:
         f = self._fuse(region)
         if f is None:
             return self.base.compile(region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache)
-        from .engine import _compile_region
+        from .engine import compile_region
 
-        c = _compile_region(region, plan, S, T, I, dd, di, backend, lT, lI, fuse=f)
+        c = compile_region(region, plan, S, T, I, dd, di, backend, lT, lI, fuse=f)
         c.fused_updated = frozenset(f.updated)
         return c
 

@@ -1,9 +1,9 @@
 """``create_graph=True`` compiled, to any order: the region kind (:class:`CreateGraph`) and leaf
-sink that the one executor (:func:`vjpgen.runtime.engine.execute`, called by ``api._execute``)
+sink that the one executor (:func:`vjpgen.runtime.engine.execute`, called by ``api.execute_call``)
 uses for a create_graph call; nothing here walks, plans, looks up or executes a graph.
 
 A create_graph backward runs the plan's compiled regions as differentiable functions: each region's
-function (``engine._make_region_fn``: the generated kernels of its nodes) is compiled as a
+function (``engine.make_region_fn``: the generated kernels of its nodes) is compiled as a
 :class:`vjpgen.runtime.diffgraph.CompiledGraph`, the one higher-order mechanism the ``vjpgen``
 torch.compile backend uses too: its joint traced from vjpgen's kernels, partitioned, both halves
 compiled, called as one autograd node whose backward, under a further ``create_graph``, is the
@@ -31,7 +31,7 @@ import torch
 from . import capture, decide, diffgraph, engine, fastpath, hooks, joint
 from .. import native
 from .cache import Compiled, RegionCache, find, make_guard
-from .leaves import _clone_obey_contract
+from .leaves import clone_obey_contract
 from .stats import STATS
 
 log = logging.getLogger("vjpgen")
@@ -120,7 +120,7 @@ def _compile_now(region, plan, S, T, I, dd, di, backend, order, family):
         f.requires_grad_(t.requires_grad)
     dyn_ints = sorted(di)
     present: list = []
-    pyfn = engine._make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
+    pyfn = engine.make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
     fargs = list(fakes) + [ivals[j] for j in dyn_ints]
     label = f"{region.label} of {len(region.nodes)} autograd nodes, create_graph"
     fn = joint.no_alias(pyfn)  # (a grad passed through unchanged is one of the region's inputs)
@@ -201,7 +201,7 @@ def _remember(region, plan, nodes, metas, buf, S, rg, cache) -> None:
 
 
 class CreateGraph:
-    """The create_graph kind of region for the executor's one lookup (engine._run_region): one
+    """The create_graph kind of region for the executor's one lookup (engine.run_region): one
     region cache per requires-grad pattern of the region's tensors, compiled entries that hold a
     :class:`DiffGraph` (traced like a first-order region, its family and derivative order
     recorded), called as a differentiable function whose grads are added into the buffer."""
@@ -227,7 +227,7 @@ class CreateGraph:
         order = _region_order(region, plan, nodes)
         fams = cache.families = getattr(cache, "families", None) or {}
         family = fams.setdefault(S, diffgraph.Family())  # (this region's function for S, any sizes)
-        with engine._gc_resumed():
+        with engine.gc_resumed():
             return _compile(region, plan, S, T, I, dd, di, backend, order, family)
 
     @staticmethod
@@ -285,7 +285,7 @@ def _accumulate(var, grad) -> None:
     """AccumulateGrad in grad mode (create_graph): a differentiable copy, or ``.grad + grad``."""
     vg = var.grad
     if vg is None:
-        var.grad = _clone_obey_contract(grad, var)
+        var.grad = clone_obey_contract(grad, var)
     elif vg.is_sparse and not grad.is_sparse:
         var.grad = grad + vg
     else:

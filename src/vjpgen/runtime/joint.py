@@ -62,25 +62,25 @@ class _InlineEntry:
 
 class Inline:
     """The region kind of a joint trace (see the module docstring): no cache and no compile, the
-    region's function (``engine._make_region_fn``, the one every compiled region is traced from)
+    region's function (``engine.make_region_fn``, the one every compiled region is traced from)
     called on the region's tensors, its grads scattered into the buffer as a compiled region's."""
 
     counts_hits = False  # not a cache hit: stats() counts the runtime's regions only
 
     @staticmethod
     def fast(region, plan, nodes, metas, buf):
-        S, T, I, _, _, _ = engine._gather(region, plan, nodes, metas, buf)
+        S, T, I, _, _, _ = engine.gather(region, plan, nodes, metas, buf)
         return _InlineEntry(S), T, I
 
     @staticmethod
     def call(region, plan, entry, T, I, metas, buf, ctx) -> None:
         present: list = []
-        fn = engine._make_region_fn(region, plan, entry.S, len(T), list(I), (), present)
+        fn = engine.make_region_fn(region, plan, entry.S, len(T), list(I), (), present)
         outs = fn(*T)
         entry.present = present
         for s in region.drop_in:
             buf[s] = None
-        engine.scatter_outputs(outs, engine._out_table(region, entry), buf, ctx.protected)
+        engine.scatter_outputs(outs, engine.out_table(region, entry), buf, ctx.protected)
 
 
 def prepare() -> None:

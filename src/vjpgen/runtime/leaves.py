@@ -66,7 +66,7 @@ def _stealable(grad, var, ctx: "CallContext") -> bool:
     return _obeys_layout_contract(grad, var) and (grad._base is None or _owns_storage(grad))
 
 
-def _clone_obey_contract(grad, var):
+def clone_obey_contract(grad, var):
     if grad.layout != torch.strided:  # a sparse grad (embedding's) is kept sparse, as AccumulateGrad does
         return grad.clone()
     if _non_overlapping_and_dense(var):
@@ -133,7 +133,7 @@ def accumulate_leaf(acc_node, grad, ctx: "CallContext", node_hooks=None) -> None
             if _stealable(grad, var, ctx):
                 var.grad = grad.detach()
             else:
-                var.grad = _clone_obey_contract(grad, var)
+                var.grad = clone_obey_contract(grad, var)
             ctx.protected.add(id(grad))
         else:
             if vg.is_sparse and not grad.is_sparse:

@@ -47,7 +47,7 @@ def _call_pyfunction(node, grads, md):
     return res
 
 
-def _run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
+def run_live(i, plan: Plan, nodes, metas, buf, ctx: "CallContext") -> None:
     info = plan.infos[i]
     node = nodes[i]
     STATS.live_calls += 1
@@ -132,9 +132,9 @@ def _add_outputs(info, outs, grads, buf, ctx: "CallContext") -> None:
             buf[s] = b + g
 
 
-def _run_live_leaves(idx, plan: Plan, nodes, buf, ctx: "CallContext") -> None:
+def run_live_leaves(idx, plan: Plan, nodes, buf, ctx: "CallContext") -> None:
     """Live AccumulateGrad steps ``idx`` (leaves with hooks, e.g. DDP's reducer hook), in order,
-    through one native call: the engine's call of each node with its hooks (see _run_live)."""
+    through one native call: the engine's call of each node with its hooks (see run_live)."""
     infos = plan.infos
     STATS.live_calls += len(idx)
     grads = []

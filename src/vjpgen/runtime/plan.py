@@ -28,7 +28,7 @@ log = logging.getLogger("vjpgen")
 _BackwardCFunction = torch.autograd.function.BackwardCFunction
 
 
-def _get_module(name: str):
+def module_named(name: str):
     try:
         return kernels.get_module(name)  # the selected override package first, then the default one
     except kernels.OverrideError:  # the user's own package is broken: say so, not torch's formula
@@ -114,12 +114,12 @@ class Plan:
         self.n_breaks = 0
         self.root_edges: list = []  # per root slot: (node index, input_nr)
         self.live_acc_bytes: dict = {}  # AccumulateGrad run live (hooks) -> bytes of its grad
-        self.acc_early: dict = {}  # step index -> acc sinks complete after it (see _place_sinks)
+        self.acc_early: dict = {}  # step index -> acc sinks complete after it (see place_sinks)
         self.acc_final: list = []  # acc sinks accumulated after the last step
         self.layout_leaves: tuple = ()  # traced nodes checked for a sparse leaf on every call (sparse.py)
         self.layout_leaf_accs: tuple = ()  # the leaves (AccumulateGrad indices) those nodes read
         # node index -> group of the nodes whose saved tensors have hooks, one group per unpack
-        # hook (a torch.utils.checkpoint block); regions are cut between groups (see _segments)
+        # hook (a torch.utils.checkpoint block); regions are cut between groups (see segments)
         self.saved_groups: dict = {}
 
 
@@ -232,7 +232,7 @@ def _module_for(info: NodeInfo):
         return None
     if info.pyfunc:
         return decide.custom_function_module(info.cls)
-    return _get_module(info.name)
+    return module_named(info.name)
 
 
 def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: bool, saved_groups=None) -> Plan:
@@ -254,7 +254,7 @@ def build_plan(nodes, metas, hooked, key, root_edges_idx, targets, accumulate: b
             decide.mark_live(info, ("node", reason))
         if info.module is not None and info.live is None:
             schema = getattr(info.module, "SCHEMA", ())
-            info.sym_flags = tuple(capture._sym_schema(s) for s in schema)
+            info.sym_flags = tuple(capture.sym_schema(s) for s in schema)
             info.n_saved = len(schema)
             info.saved_names = tuple(getattr(info.module, "SAVED", ())) or tuple(
                 f"saved{k}" for k in range(len(schema))
@@ -419,7 +419,7 @@ def _nbytes(m) -> int:
         return 0
 
 
-def _segments(p: Plan) -> dict:
+def segments(p: Plan) -> dict:
     """Node -> segment of the execution order: a new segment starts where the saved-tensor hooks
     change (:attr:`Plan.saved_groups`) and after the live leaf
     (AccumulateGrad with hooks) at which the hooked leaves' grads since the last cut reach
@@ -471,10 +471,10 @@ def with_live(p: Plan, reasons: dict) -> Plan:
 
 def _partition(p: Plan) -> None:
     """Split the execution order into compiled regions around live nodes (stages), within the
-    segments of :func:`_segments`."""
+    segments of :func:`segments`."""
     infos = p.infos
     order = p.order
-    seg = _segments(p)
+    seg = segments(p)
     stage = {}
     for i in order:
         stage.setdefault(i, 0)
@@ -534,10 +534,10 @@ def _partition(p: Plan) -> None:
         step.out_replace = [s in consumed_set and s in ins for s in outs]
         step.drop_in = [s for s in ins if s not in sink_slots and s not in outs]
     p.steps = steps
-    _place_sinks(p, producers)
+    place_sinks(p, producers)
 
 
-def _place_sinks(p: Plan, producers: dict) -> None:
+def place_sinks(p: Plan, producers: dict) -> None:
     """When each leaf is accumulated. The engine runs a leaf's AccumulateGrad as soon as its grad
     is complete, so a live step later in the order sees the leaf's ``.grad`` (FSDP2's post-backward
     reduce-scatters the unsharded parameters' grads from a custom Function's backward). A leaf

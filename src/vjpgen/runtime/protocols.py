@@ -7,7 +7,7 @@ adapter (:class:`vjpgen.runtime.custom_function.FunctionModule`) and the node of
 compiled graph (:class:`vjpgen.runtime.diffgraph.GraphFnModule`: the ``vjpgen`` backend's graphs
 and the runtime's create_graph regions, one mechanism).
 
-:class:`RegionKind` is how the executor (``engine._run_region``) runs a region: one lookup, the
+:class:`RegionKind` is how the executor (``engine.run_region``) runs a region: one lookup, the
 kind decides where compiled entries live and how they are called; :class:`CompilingKind` adds what
 the general path asks on a miss. Its implementations: ``engine.FirstOrder``,
 ``higher_order.CreateGraph`` and ``fused_optim._FusedKind`` (compiling), ``joint.Inline`` (a

@@ -17,7 +17,7 @@ FREED_MESSAGE = (
     "released them)"
 )
 
-_SECOND_BACKWARD = "backward through the graph a second time"  # in torch's message and ours
+SECOND_BACKWARD = "backward through the graph a second time"  # in torch's message and ours
 _SavedTensor = torch._C._autograd.SavedTensor
 _RAW_SAVED: dict = {}  # node class -> names of its ``_raw_saved_*`` attributes
 

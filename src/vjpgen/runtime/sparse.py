@@ -40,7 +40,7 @@ def is_sparse(t) -> bool:
     return isinstance(t, torch.Tensor) and t.layout is not _STRIDED and t.layout in SPARSE_LAYOUTS
 
 
-def _of_sparse(t) -> bool:
+def of_sparse(t) -> bool:
     """``t`` is sparse or a view into a sparse tensor (``values()`` of a COO tensor: dense, but
     fake tensors cannot be made of it)."""
     if t.layout is not _STRIDED:
@@ -54,7 +54,7 @@ def any_sparse(values) -> bool:
     into a sparse tensor."""
     for v in values:
         if isinstance(v, torch.Tensor):
-            if _of_sparse(v):
+            if of_sparse(v):
                 return True
         elif isinstance(v, (list, tuple)) and any_sparse(v):
             return True
@@ -121,7 +121,7 @@ def node_reason(plan, i, nodes, buf):
         if state is not None:
             names = info.saved_names or tuple(f"saved{k}" for k in range(len(state) - 1))
             for k, v in enumerate(state[1:]):
-                if (isinstance(v, torch.Tensor) and _of_sparse(v)) or (
+                if (isinstance(v, torch.Tensor) and of_sparse(v)) or (
                     isinstance(v, (list, tuple)) and any_sparse(v)
                 ):
                     nm = names[k] if k < len(names) else str(k)
