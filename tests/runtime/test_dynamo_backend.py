@@ -753,3 +753,35 @@ def test_an_uncompiled_vjp_differentiates_inputs_as_independent_variables(monkey
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r)
     assert rt.stats()["backend"]["fallback_reasons"], "the uncompiled path was not taken"
+
+
+def test_forces_through_an_inplace_copy_into_a_view_keep_their_history():
+    """e3nn's generated code (NequIP) fills a buffer with ``narrow(...).copy_()`` (CopySlices, a
+    node without a kernel, run as it is inside vjpgen's trace) and the forces are a create_graph
+    grad through it, outside the compiled graph. Inside torch's own backward the live node asked
+    torch's graph task which grads to compute and computed none: the forces did not require grad
+    and the forces term of the loss gave the weights no grad (446 off, silently)."""
+    torch.manual_seed(0)
+    w = torch.randn(6, requires_grad=True)
+    pos0 = torch.randn(6, 3)
+
+    def f(pos, w):
+        pos.requires_grad_(True)
+        p2 = pos * 1.5
+        buf = p2.new_zeros(p2.shape[0], 6)
+        buf.narrow(1, 0, 3).copy_(p2)
+        buf.narrow(1, 3, 3).copy_(p2 * p2)
+        e = (torch.sin(buf) * w).sum()
+        (g,) = torch.autograd.grad([e], [pos], create_graph=True)
+        return e, -g
+
+    def step(fn):
+        e, forces = fn(pos0.clone(), w)
+        (gw,) = torch.autograd.grad(e + forces.square().sum(), w)
+        return forces, gw
+
+    want = step(f)
+    got = step(_compiled(f))
+    assert got[0].requires_grad
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)

@@ -157,9 +157,14 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
             buf = engine.execute(plan, nodes, metas, [g for _, g in pairs], ctx)
             box.append(leaves.captured_grads(plan, nodes, buf, ctx))
 
-    if saved_groups:
+    live = any(isinstance(st, plan_mod.LiveStep) for st in plan.steps)
+    if saved_groups or live:
         # unpack hooks read the graph task (torch.utils.checkpoint recomputes a block once per
-        # graph task; outside one, once per unpack): inside a real one, as the API runs them
+        # graph task; outside one, once per unpack): inside a real one, as the API runs them. And
+        # a live C++ node (CopySlices of an in-place copy into a view) computes only the grads the
+        # current graph task's exec_info asks for: inside torch's own backward (a create_graph
+        # grad through a compiled graph) that task is torch's, which holds none of this trace's
+        # nodes, and the node returned no grads (the forces of an e3nn model did not require grad)
         graph_task.run(job, keep_graph=True)
     else:
         job()
