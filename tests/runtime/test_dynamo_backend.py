@@ -785,3 +785,28 @@ def test_forces_through_an_inplace_copy_into_a_view_keep_their_history():
     assert got[0].requires_grad
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r)
+
+
+def test_a_make_fx_graph_returning_an_aten_view_of_an_input_is_compiled_by_vjpgen():
+    """A graph traced with make_fx before torch.compile sees it (nequip's ``compile_mode="compile"``)
+    returns ``aten.expand.default(<input>)``: split out as a view output, as dynamo-level views are,
+    so the rest is vjpgen's graph (it went to AOTAutograd whole: 'output 1 aliases an input')."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+
+    def f(x, w):
+        return (x * w).sin().sum(), w.expand(x.shape[0], -1)
+
+    gm = make_fx(f)(x, w)
+    assert torch.ops.aten.expand.default in [n.target for n in gm.graph.nodes]
+    rt.reset_stats()
+    e, v = _compiled(gm)(x, w)
+    got = torch.autograd.grad(e + v.square().sum(), (x, w))
+    e, v = f(x, w)
+    want = torch.autograd.grad(e + v.square().sum(), (x, w))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r)
+    b = rt.stats()["backend"]
+    assert not b["fallbacks"] and b["compiles"].get(1) == 1, b

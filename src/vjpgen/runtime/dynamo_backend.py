@@ -138,6 +138,21 @@ def _view_fns():
     return fns
 
 
+_ATEN_SIZE_OPS = ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset")
+
+
+def _aten_view_or_size(n: torch.fx.Node) -> bool:
+    """An aten-level view (``aten.expand.default``: a graph traced with make_fx before dynamo saw it,
+    as nequip's ``compile_mode="compile"`` does), a size query, or arithmetic on sizes."""
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t.is_view or t.overloadpacket.__name__ in _ATEN_SIZE_OPS
+    val = n.meta.get("val", n.meta.get("example_value"))
+    return isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool)
+
+
 def _split_view_outputs(gm: torch.fx.GraphModule):
     """``((main_gm, main_positions), (views_gm, view_positions))``: ``gm`` split into the graph of
     its outputs that are more than views of its inputs, and the graph of the others (their every op
@@ -153,7 +168,8 @@ def _split_view_outputs(gm: torch.fx.GraphModule):
         if n not in memo:
             if n.op in ("placeholder", "get_attr"):
                 memo[n] = True
-            elif n.op == "call_function" and n.target in fns or n.op == "call_method" and n.target in _VIEW_METHODS:
+            elif n.op == "call_function" and n.target in fns or n.op == "call_method" and n.target in _VIEW_METHODS \
+                    or _aten_view_or_size(n):
                 memo[n] = False  # (while its inputs are read)
                 memo[n] = all(pure(a) for a in n.all_input_nodes)
             else:
