@@ -756,7 +756,7 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None):
         with torch.no_grad():
             return aot_module_simplified(GmWrapper(gm, _identity), fake_args, fw_compiler=boxed_nop)
     if backend == "inductor":
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        from torch._inductor.compile_fx import compile_fx
 
         from . import extern_ops, inductor_fixes
 
@@ -766,8 +766,7 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None):
         seen: dict = {}
 
         def inner_compile(g, example_inputs, *args, **kwargs):
-            with inductor_fixes.active():
-                out = compile_fx_inner(g, example_inputs, *args, **kwargs)
+            out = inductor_fixes.inner_compile(g, example_inputs, *args, **kwargs)
             ctx = torch._guards.TracingContext.try_get()
             seen.update(code=out, n_inputs=len(example_inputs), meta=getattr(ctx, "fw_metadata", None))
             return out

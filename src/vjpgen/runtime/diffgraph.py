@@ -326,12 +326,8 @@ class CompiledGraph:
         n_ops = sum(1 for n in self.fw_gm.graph.nodes if n.op == "call_function")
         budget = max(MIN_VJP_OPS, VJP_GROWTH * n_ops)
         try:
-            try:
-                return CompiledGraph.build(fn, fakes, fake_mode, self.compiler, order, self.label, self.patches,
-                                           self.counters, self.family.vjp(mask), budget)
-            except Exception as e:  # (a kernel's trace error wraps it)
-                big = e if isinstance(e, joint.TooLarge) else e.__cause__
-                raise big if isinstance(big, joint.TooLarge) else e
+            return CompiledGraph.build(fn, fakes, fake_mode, self.compiler, order, self.label, self.patches,
+                                       self.counters, self.family.vjp(mask), budget)
         except joint.TooLarge as e:
             reason = (f"{e}, over {VJP_GROWTH}x the {n_ops} of order {order - 1}'s forward (a backward formula "
                       f"whose differentiable form grows with the sizes, e.g. cumprod_backward's loop): this order "
@@ -639,14 +635,13 @@ class GraphFnModule:
             wanted = set(i for i, n in zip(meta.tensor_inputs, needs_input_grad) if n)
             wrt = tuple(i for i in range(meta.n_inputs) if i in wanted)
             gs = joint.vjp_fn(cg.fn, meta.n_inputs, wrt, meta.diff_outputs)(*primals, *tangents)
-            cg.counters["traced_vjps"][cg.order + 1] += 1
             res = [None] * meta.n_inputs
             for i, g in zip(wrt, gs):
                 res[i] = g
         else:
             res = list(cg.bw_gm(*cg.bw_inputs(tensors, sizes, tangents))[:meta.n_inputs])
             _undefine(res, cg.bw_deps, gouts, meta.diff_outputs, 0)
-            cg.counters["traced_vjps"][cg.order + 1] += 1
+        cg.counters["traced_vjps"][cg.order + 1] += 1
         per_edge = [res[i] for i in meta.tensor_inputs]  # one edge per tensor input
         return [g if n else None for g, n in zip(per_edge, needs_input_grad)]
 

@@ -568,9 +568,10 @@ class FirstOrder:
     @staticmethod
     def fast(region, plan, nodes, metas, buf):
         """(Compiled, T, I) from a specialized gather and its tables, or None."""
-        if not plan.learned.regions[region.index].fast:  # a structure not seen before
+        specs = plan.learned.regions[region.index].fast
+        if not specs:  # a structure not seen before
             return None
-        r = fastpath.lookup(region, plan, nodes, metas, buf)
+        r = fastpath.lookup(region, plan, nodes, metas, buf, specs)
         if r is None:
             return None
         T, I, by_ints, by_meta, compiled, arm = r

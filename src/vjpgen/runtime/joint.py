@@ -142,8 +142,10 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
     plan = plan_mod.build_plan(nodes, metas, hooked, key, root_idx, tuple(targets), False, saved_groups)
     if plan.eager_reason is not None:
         raise Unsupported(plan.eager_reason)
+    live = False
     for st in plan.steps:  # nodes without a kernel (a custom Function's backward, ...): traced as they run
         if isinstance(st, plan_mod.LiveStep):
+            live = True
             info = plan.infos[st.node]
             STATS.backend["own_backward_nodes"][f"{info.name}: {info.live[1]}"] += 1
     ctx = CallContext(None, False, Inline, None, create_graph)
@@ -157,7 +159,6 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
             buf = engine.execute(plan, nodes, metas, [g for _, g in pairs], ctx)
             box.append(leaves.captured_grads(plan, nodes, buf, ctx))
 
-    live = any(isinstance(st, plan_mod.LiveStep) for st in plan.steps)
     if saved_groups or live:
         # unpack hooks read the graph task (torch.utils.checkpoint recomputes a block once per
         # graph task; outside one, once per unpack): inside a real one, as the API runs them. And
@@ -217,7 +218,8 @@ class TooLarge(Unsupported):
 
 
 class _OpBudget(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten ops a trace runs and raises :class:`TooLarge` past ``limit``."""
+    """Counts the aten ops a trace runs and raises :class:`TooLarge` past ``limit`` (a kernel's
+    trace may wrap it in its own error: :func:`analyze` raises it as itself)."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
@@ -253,8 +255,14 @@ def analyze(fn, fakes, fake_mode, max_ops: int | None = None) -> JointMeta:
         for i, a in enumerate(fargs):
             if isinstance(a, torch.Tensor):
                 in_storage.setdefault(StorageWeakRef(a.untyped_storage()), []).append(i)
-        with torch.enable_grad(), (_OpBudget(max_ops) if max_ops else contextlib.nullcontext()):
-            outs = _as_tuple(fn(*fargs))
+        budget = _OpBudget(max_ops) if max_ops else None
+        try:
+            with torch.enable_grad(), (budget if budget is not None else contextlib.nullcontext()):
+                outs = _as_tuple(fn(*fargs))
+        except Exception:
+            if budget is not None and budget.n > budget.limit:
+                raise TooLarge(f"its trace passed {budget.limit} aten ops") from None
+            raise
         kinds, diff, nondiff, out_fakes = [], [], [], []
         for j, o in enumerate(outs):
             if o is None:
