@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import torchscript
+from vjpgen.runtime import decide, torchscript
 
 BK = "aot_eager"
 
@@ -63,7 +63,7 @@ def test_scripted_code_compiles_after_the_first_backward():
     x = torch.randn(3, 4)
     for _ in range(3):  # TorchScript would have fused by the second call
         root, ref = _grads(layers, x)
-    assert not any(torchscript.FUSED_NODE in n for n in _node_names(root))
+    assert not any(decide.TORCHSCRIPT_FUSED_NODE in n for n in _node_names(root))
     rt.reset_stats()
     for _ in range(2):
         _, got = _grads(layers, x, rt.compiled_autograd(BK))
@@ -79,7 +79,7 @@ def test_a_fused_node_made_before_is_a_graph_break_that_says_so():
     with torch.jit.optimized_execution(True):  # scripted code optimized as before vjpgen's switch
         for _ in range(3):
             root, ref = _grads(layers, x)
-    assert any(torchscript.FUSED_NODE in n for n in _node_names(root))
+    assert any(decide.TORCHSCRIPT_FUSED_NODE in n for n in _node_names(root))
     rt.reset_stats()
     with torch.jit.optimized_execution(True):
         _, got = _grads(layers, x, rt.compiled_autograd(BK))

@@ -20,7 +20,7 @@ from . import plan as plan_mod
 from . import saved as _saved
 from .call_context import OnesRoot, context_factory
 from .sparse import leaf_node
-from .stats import STATS, record_break, record_eager_fallback
+from .stats import STATS, record_eager_fallback
 
 log = logging.getLogger("vjpgen")
 
@@ -332,11 +332,8 @@ def new_plan(root_edges, nodes, metas, hooked, key, root_idx, targets, accumulat
             nodes, metas, hooked, tkey, root_idx, targets, accumulate, saved_groups)), keep_graph=True)
         plan = box[0]
     STATS.plans += 1
-    for st in plan.steps:
-        if isinstance(st, plan_mod.LiveStep):
-            info = plan.infos[st.node]
-            record_break(info.name, info.live[1])
-            log.debug("vjpgen: graph break at %s: %s", info.name, info.live[1])
+    decide.record_breaks(plan, {st.node: plan.infos[st.node].live[1] for st in plan.steps
+                                if isinstance(st, plan_mod.LiveStep)})
     log.debug(
         "vjpgen: new graph structure: %d nodes, %d steps, %d graph breaks",
         len(nodes), len(plan.steps), plan.n_breaks,

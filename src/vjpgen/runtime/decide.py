@@ -48,13 +48,17 @@ Complex views (``view_as_complex`` / ``view_as_real`` saved by rotary embeddings
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, NamedTuple
 
 import torch
 
-from . import custom_function, sparse, torchscript
+from . import custom_function, sparse
 from . import saved as _saved
 from .walk import NativeHooks
+from .stats import record_break
+
+log = logging.getLogger("vjpgen")
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -112,11 +116,23 @@ def _no_module(v: NodeView):
     if info.is_acc or info.pyfunc:
         return None
     if info.module is None:
-        if info.name == "CppFunction" and torchscript.is_fused_node(v.node):
+        if info.name == "CppFunction" and is_fused_node(v.node):
             return ("TorchScript's fused autodiff node (DifferentiableGraphBackward, no kernel): scripted code "
                     "TorchScript optimized before vjpgen's first backward; later scripted code records per-op nodes")
         return "no generated module"
     return None
+
+
+TORCHSCRIPT_FUSED_NODE = "DifferentiableGraphBackward"
+
+
+def is_fused_node(node) -> bool:
+    """Whether ``node`` is one of TorchScript's fused autodiff nodes (see
+    :mod:`vjpgen.runtime.integrations.torchscript`)."""
+    try:
+        return TORCHSCRIPT_FUSED_NODE in node.name()
+    except Exception:  # a node without a name
+        return False
 
 
 def _untranslated(v: NodeView):
@@ -178,6 +194,15 @@ def break_this_call(ctx, i: int, how: tuple) -> None:
     :func:`module_failure` or :func:`region_reasons`): recorded in ``ctx.breaks``, from which the
     API makes the structure's next plan (``plan.with_live``)."""
     ctx.breaks[i] = how
+
+
+def record_breaks(plan, reasons: dict) -> None:
+    """Record graph breaks (node index -> why) in ``stats()`` and the log: a new plan's live nodes
+    and the breaks a call found at run time (the one place either is recorded)."""
+    for i, reason in reasons.items():
+        name = plan.infos[i].name
+        record_break(name, reason)
+        log.debug("vjpgen: graph break at %s: %s", name, reason)
 
 
 def hooked_leaf_reasons(infos, hooked, wanted) -> dict:

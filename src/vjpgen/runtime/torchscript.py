@@ -24,7 +24,6 @@ log = logging.getLogger("vjpgen")
 
 _done = False
 
-FUSED_NODE = "DifferentiableGraphBackward"
 
 
 def plain_autodiff() -> None:
@@ -41,14 +40,6 @@ def plain_autodiff() -> None:
         log.info("vjpgen: TorchScript's graph executor optimization is off from now on: scripted code records "
                  "per-op autograd nodes, which vjpgen compiles, instead of fused DifferentiableGraphBackward "
                  "nodes (VJPGEN_TORCHSCRIPT_AUTODIFF=1 keeps it)")
-
-
-def is_fused_node(node) -> bool:
-    """Whether ``node`` is one of TorchScript's fused autodiff nodes."""
-    try:
-        return FUSED_NODE in node.name()
-    except Exception:  # a node without a name
-        return False
 
 
 def register_builtins(patched_grad, patched_backward) -> None:
