@@ -75,8 +75,11 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import vjpgen.runtime as rt  # noqa: E402
 from vjpgen import native as rt_native  # noqa: E402
-from vjpgen.runtime import api as rt_api, engine as rt_engine, fastpath as rt_fastpath  # noqa: E402
-from vjpgen.runtime import hooks as rt_hooks, leaves as rt_leaves, walk as rt_walk  # noqa: E402
+from vjpgen.runtime import api as rt_api
+from vjpgen.runtime.execute import executor as rt_executor, first_order as rt_first_order, lookup as rt_lookup
+from vjpgen.runtime.compile import fastpath as rt_fastpath# noqa: E402
+from vjpgen.runtime.graph import hooks as rt_hooks, walk as rt_walk
+from vjpgen.runtime.execute import leaves as rt_leaves# noqa: E402
 
 from examples import demo  # noqa: E402
 from tools.memory import peak_backward_bytes  # noqa: E402
@@ -307,12 +310,12 @@ def expected_stages(stages) -> list:
 STAGE_TIMERS = (
     (rt_api, "_run", "total"),  # backward()/grad() -> _run: the whole call
     (rt_walk, "walk_fast", "walk"),  # api: walk.walk_fast (native walk with input metadata)
-    (rt_engine, "execute", "execute"),  # api.execute_call: engine.execute (the plan's steps)
-    (rt_fastpath, "lookup", "gather"),  # engine.run_region: fastpath.lookup (specialized gather)
-    # engine.run_region: find (cache.find imported into engine), the cache's guards in Python; an
+    (rt_executor, "execute", "execute"),  # api.execute_call: executor.execute (the plan's steps)
+    (rt_fastpath, "lookup", "gather"),  # first_order.FirstOrder.fast: fastpath.lookup (specialized gather)
+    # first_order.FirstOrder.fast: find (cache.find imported into first_order), the cache's guards in Python; an
     # armed native gather checks its entry's guards itself (in "gather"), and find is not called
-    (rt_engine, "find", "guards"),
-    (rt_engine, "release_nodes", "release"),  # engine.run_region: release_nodes (no retain_graph)
+    (rt_first_order, "find", "guards"),
+    (rt_lookup, "release_nodes", "release"),  # lookup.run_region: release_nodes (no retain_graph)
     (rt_leaves, "accumulate_leaves", "leaf sinks"),  # api.execute_call: leaves.accumulate_leaves
 )
 

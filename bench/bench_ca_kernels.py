@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_backward import MODELS  # noqa: E402
 
 import vjpgen.runtime as rt  # noqa: E402
+from vjpgen.runtime.integrations import ca_kernels  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 KINDS = ("torch", "vjpgen")
@@ -42,7 +43,7 @@ STEADY_S = 0.2  # seconds of steady calls per segment (--smoke: less)
 def _ctx(backend, graphs):
     from torch._dynamo import compiled_autograd
 
-    be = rt.ca_kernels.recording_backend(backend, graphs)
+    be = ca_kernels.recording_backend(backend, graphs)
 
     def compiler_fn(gm):
         return torch.compile(gm, backend=be, fullgraph=True, dynamic=False)

@@ -1,4 +1,4 @@
-"""The optimizer step inside vjpgen's compiled backward (runtime/fused_optim.py) against eager's and torch.compile's.
+"""The optimizer step inside vjpgen's compiled backward (runtime/integrations/fused_optim.py) against eager's and torch.compile's.
 
     python bench/bench_optim.py [--models ...] [--compiler inductor]
     python bench/bench_optim.py --smoke   (tiny sizes, aot_eager, seconds; writes nothing)
@@ -219,14 +219,15 @@ def phases(methods, reps, turn=5) -> dict:
 
 def _fused_timers():
     """(object, attribute, label) of what a vjpgen backward does beside bench_backward's stages, each
-    looked up there per call: the compiled graph's call (``engine.call_and_scatter``, from the fused
+    looked up there per call: the compiled graph's call (``scatter.call_and_scatter``, from the fused
     and the plain region kinds), the fused call's setup (``fused_optim.FusedCall(opt, plan, nodes)``
     in ``api.execute_call``: the optimizer's state and learning rates as the graph's inputs) and its
     finish (the step counts copied back, the ``.grad`` let go), the step after the backward
     (``fused_optim.step`` in ``api._run``: the plain ``opt.step()`` and ``zero_grad``)."""
-    from vjpgen.runtime import engine, fused_optim
+    from vjpgen.runtime.execute import scatter
+    from vjpgen.runtime.integrations import fused_optim
 
-    return ((engine, "call_and_scatter", "compiled graph call"), (fused_optim, "FusedCall", "fused setup"),
+    return ((scatter, "call_and_scatter", "compiled graph call"), (fused_optim, "FusedCall", "fused setup"),
             (fused_optim.FusedCall, "finish", "fused finish"), (fused_optim, "step", "opt.step and zero_grad"))
 
 
@@ -542,7 +543,7 @@ def render(out, argv) -> str:
             L += ["", "### vjpgen's backward call by stage (µs per step)", "",
                   "Timers around the runtime's functions while steps run (bench_backward.py's stage timers and "
                   "`_fused_timers`): the whole call (block: the backward, with the fused methods' updates and "
-                  "their block's `opt.step()` and `zero_grad`), the compiled graph's call (`engine.call_and_scatter`), "
+                  "their block's `opt.step()` and `zero_grad`), the compiled graph's call (`scatter.call_and_scatter`), "
                   "the fused call's setup (`FusedCall`: the optimizer's state and learning rates made the graph's "
                   "inputs) and finish, the step after the backward (`fused_optim.step`), the walk, the gather; "
                   "rest: the call minus those (the plan lookup, the region's arguments, release, leaf sinks).", ""]

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import vjpgen.runtime as rt
+from vjpgen.runtime.integrations import ca_kernels
 
 
 # ------------------------------------------------------------------------------------------
@@ -254,7 +255,7 @@ def train_compiled_autograd(name, steps=3, backend="aot_eager", device="cpu"):
             return gm
 
     else:
-        compiler = torch.compile(backend=rt.ca_kernels.recording_backend(backend, graphs))
+        compiler = torch.compile(backend=ca_kernels.recording_backend(backend, graphs))
 
     torch._C._dynamo.compiled_autograd.clear_cache()
     rt.reset_compiled_autograd_kernel_stats()
@@ -284,7 +285,7 @@ def format_tagged_graph(gm) -> str:
             continue
         if getattr(n.target, "__name__", "") == "unwrap_maybe_dynamic_int":
             continue  # compiled autograd's size inputs
-        tag = rt.ca_kernels.node_tag(n) or ""
+        tag = ca_kernels.node_tag(n) or ""
         target = str(n.target)  # aten.mm.default; compiled autograd's ops by their name
         if not isinstance(n.target, torch._ops.OpOverload):
             target = getattr(n.target, "__name__", target)

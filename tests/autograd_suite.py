@@ -173,7 +173,7 @@ TRIAGE: list = [
     (r"test_nested_checkpoint_two_children_|TestSelectiveActivationCheckpoint.*test_subclass_dispatching_sizes$",
      "left",
      "torch.utils.checkpoint (non-reentrant, nested / selective): vjpgen reads a checkpointed node's saved "
-     "tensor a second time in one backward; the second read (the region gather: engine.gather -> "
+     "tensor a second time in one backward; the second read (the region gather: region_key.gather -> "
      "saved.saved -> <node>.get_saved) raises checkpoint's 'Unpack is being triggered for a tensor that "
      "was already unpacked once' (measured from the traceback); eager unpacks it once"),
     (r"test_default_saved_tensors_hooks_double_backward$", "left",

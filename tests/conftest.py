@@ -5,7 +5,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# the on-disk compile cache (vjpgen/runtime/disk_cache.py) is off in the tests, subprocesses
+# the on-disk compile cache (vjpgen/runtime/compile/disk_cache.py) is off in the tests, subprocesses
 # included: a test counts its own compiles; tests/runtime/test_disk_cache.py turns it on in a
 # folder of its own
 os.environ.setdefault("VJPGEN_DISK_CACHE", "0")

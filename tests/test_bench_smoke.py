@@ -4,7 +4,7 @@ Each ``bench/bench_*.py`` (found by glob: a new script is covered the day it lan
 ``--smoke`` in its own process (forked from one that imported torch once): tiny sizes, the
 ``aot_eager`` backend, seconds. It must exit 0 and print one ``BENCH-SMOKE {json}`` line
 (bench/smoke.py) whose timers are all positive. A refactor that moves a function a stage timer
-wraps (the walk leaving engine.py, the leaf sinks leaving the API) makes that timer read nothing,
+wraps (the walk leaving the executor, the leaf sinks leaving the API) makes that timer read nothing,
 and this test fails instead of ``make bench`` reporting zeros or raising half an hour in. The scripts run three at a time; none may write
 under bench/results/.
 """

@@ -94,7 +94,7 @@ def test_higher_order_mode_catches_a_kernel_that_detaches(monkeypatch):
     order 2: the mode compares, it does not fall back to eager silently."""
     import vjpgen.runtime as rt
     from tests.conformance import run_higher_order
-    from vjpgen.runtime import plan as plan_mod
+    from vjpgen.runtime.plan import plan as plan_mod
 
     real = plan_mod.module_named
 

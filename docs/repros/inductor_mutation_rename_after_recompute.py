@@ -18,7 +18,7 @@ Compiled `a` is 1.0 everywhere.
     python inductor_mutation_rename_after_recompute.py
 
 apply_fix() re-applies the renames after every recompute (as refresh_dependencies does); vjpgen
-does the same for the graphs it compiles (vjpgen/runtime/inductor_fixes.py,
+does the same for the graphs it compiles (vjpgen/runtime/compile/inductor_fixes.py,
 "mutation_rename_after_recompute").
 """
 import torch

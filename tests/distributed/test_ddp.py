@@ -40,7 +40,7 @@ def test_ddp_without_native_helper_goes_to_torch_autograd(monkeypatch):
     """Without the native helper C++ hooks cannot be seen: an initialized torch.distributed sends
     the backward to torch.autograd (counted), never a compiled backward that skips them."""
     import vjpgen.runtime as rt
-    from vjpgen.runtime import graph_task
+    from vjpgen.runtime.execute import graph_task
     from vjpgen import native
 
     monkeypatch.setattr(native, "module", lambda: None)

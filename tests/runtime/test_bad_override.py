@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
+from vjpgen.runtime.plan import kernels
 from vjpgen.__main__ import main
 
 BAD = """\
@@ -81,7 +82,7 @@ def test_bad_override_is_named_at_its_overlay_line(bad_kernels, entry, leaf):
 
 def test_default_kernel_source_names_its_entry():
     from vjpgen.generated import get_module
-    from vjpgen.runtime.kernels import source_of
+    from vjpgen.runtime.plan.kernels import source_of
 
     m = get_module("MulBackward0")
     src = source_of(m, 0)
@@ -145,7 +146,7 @@ def test_broken_override_module_is_an_error_not_torchs_formula(ste_kernels, tmp_
     x = torch.randn(3, requires_grad=True)
     with rt.use_kernels(broken):
         loss = (torch.round(x * 3) * x).sum()
-        with pytest.raises(rt.kernels.OverrideError) as e:
+        with pytest.raises(kernels.OverrideError) as e:
             rt.backward(loss, backend="eager")
     msg = str(e.value)
     assert f"override package {broken}: round_backward0.py (RoundBackward0) fails to import" in msg, msg

@@ -1,4 +1,4 @@
-"""vjpgen's kernels inside torch's own compiled autograd (runtime/ca_kernels.py).
+"""vjpgen's kernels inside torch's own compiled autograd (runtime/integrations/ca_kernels.py).
 
 The packed stack, converted, must equal ``get_state`` of the same live node; grads with the switch
 on must equal eager's; classes that cannot be served keep torch's kernel and are listed.
@@ -14,7 +14,7 @@ from torch._dynamo import compiled_autograd as ca
 
 import vjpgen.runtime as rt
 from vjpgen.generated import get_module
-from vjpgen.runtime import ca_kernels
+from vjpgen.runtime.integrations import ca_kernels
 from vjpgen import native
 from vjpgen.codegen.verify import walk
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import capture
+from vjpgen.runtime.compile import capture
 
 
 @pytest.fixture

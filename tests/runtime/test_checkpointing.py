@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.utils import checkpoint as cp
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import api, graph_task
+from vjpgen.runtime.execute import executor, graph_task
 from vjpgen import native
 from tools.memory import peak_backward_bytes
 
@@ -140,18 +140,18 @@ def test_one_region_per_checkpoint_block_read_when_reached():
     not all blocks of the backward up front."""
     m = _Model(n_blocks=3)
     events = []
-    real = api.engine.run_region
+    real = executor.run_region
 
     def run_region(region, plan, *a, **k):
         events.append(("region", m.runs[0]))
         return real(region, plan, *a, **k)
 
     m.step("plain", True, "aot_eager")  # plan and compile
-    api.engine.run_region = run_region
+    executor.run_region = run_region
     try:
         m.step("plain", True, "aot_eager")
     finally:
-        api.engine.run_region = real
+        executor.run_region = real
     # each region starts after at most the blocks before it were recomputed (0, 1, 2, ...)
     assert [r for _, r in events] == sorted(r for _, r in events)
     assert len(events) >= 3 and events[-1][1] == 2, events

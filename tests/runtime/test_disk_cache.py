@@ -1,4 +1,4 @@
-"""The on-disk compile cache (vjpgen/runtime/disk_cache.py): a second process reuses the compiled
+"""The on-disk compile cache (vjpgen/runtime/compile/disk_cache.py): a second process reuses the compiled
 regions of the first, with eager's grads, and no entry is ever used where anything the compiled
 code depends on differs."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import disk_cache, engine
+from vjpgen.runtime.compile import disk_cache
 
 REGION_KEY = disk_cache.region_key
 
@@ -77,7 +77,7 @@ def captured(monkeypatch):
         seen.append((region, plan, S, list(T), list(I), dd, di))
         return REGION_KEY(region, plan, S, T, I, dd, di, backend)
 
-    monkeypatch.setattr(engine.disk_cache, "region_key", spy)
+    monkeypatch.setattr(disk_cache, "region_key", spy)
     rt.clear_cache()
     yield seen
     rt.clear_cache()

@@ -1,4 +1,4 @@
-"""``torch.compile(model, backend="vjpgen")`` (runtime/dynamo_backend.py) against eager: training
+"""``torch.compile(model, backend="vjpgen")`` (runtime/integrations/dynamo_backend.py) against eager: training
 steps of the bench's models at small sizes, higher-order workloads, checkpointing, autocast, dynamic
 shapes, hooks, the fallback to torch's AOTAutograd, and the runtime around a backend's backward.
 The inner compiler is ``aot_eager`` (the joint is still built from vjpgen's kernels and partitioned;
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import vjpgen.runtime as rt
+from vjpgen.runtime.plan import kernels
 from examples import demo
 
 AOT = {"compiler": "aot_eager"}
@@ -440,7 +441,7 @@ def test_saved_input_changed_in_place_raises_even_as_a_new_tensor(monkeypatch):
     eager raises its version error. A compiled forward may hand such an input back as a new tensor
     over the same storage, with a version counter of its own (simulated here): the backend checks
     the input's own version, so it still raises, never computes with the new values."""
-    from vjpgen.runtime import capture
+    from vjpgen.runtime.compile import capture
 
     real = capture.compile_graph
 
@@ -702,20 +703,20 @@ def test_forces_for_changing_atom_counts_compile_a_bounded_number_of_graphs():
 def test_an_override_error_at_a_later_order_is_raised_not_run_uncompiled(monkeypatch):
     """The user's override package failing while vjpgen builds the order-2 graph raises its
     OverrideError, as at order 1 (it was counted as a fallback and the order ran uncompiled)."""
-    from vjpgen.runtime import diffgraph
+    from vjpgen.runtime.orders import diffgraph
 
     real = diffgraph.CompiledGraph.build
 
     def build(fn, fakes, fake_mode, compiler, order, *a, **k):
         if order >= 2:
-            raise rt.kernels.OverrideError("overlay.yaml:3: TanhBackward0: a broken formula")
+            raise kernels.OverrideError("overlay.yaml:3: TanhBackward0: a broken formula")
         return real(fn, fakes, fake_mode, compiler, order, *a, **k)
 
     monkeypatch.setattr(diffgraph.CompiledGraph, "build", staticmethod(build))
     x = torch.randn(3, dtype=torch.double, requires_grad=True)
     f = _compiled(lambda x: x.tanh().sum())
     e = f(x)
-    with pytest.raises(rt.kernels.OverrideError, match="overlay.yaml:3"):
+    with pytest.raises(kernels.OverrideError, match="overlay.yaml:3"):
         torch.autograd.grad(e, x, create_graph=True)  # (its grads are the order-2 graph's outputs)
 
 
@@ -725,7 +726,7 @@ def test_an_uncompiled_vjp_differentiates_inputs_as_independent_variables(monkey
     call, both passed in): the vjp is with respect to each input as an independent variable, as
     the traced joint's is, never through ``h``'s own history to ``x`` (that counted x's path
     twice: grads 1.6 off, silently)."""
-    from vjpgen.runtime import diffgraph, joint
+    from vjpgen.runtime.orders import diffgraph, joint
 
     orig = diffgraph.CompiledGraph.build.__func__
 

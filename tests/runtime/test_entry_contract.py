@@ -18,7 +18,7 @@ import torch
 from torch.autograd import functional as AF
 
 import vjpgen.runtime as rt
-from vjpgen.runtime.decide import BATCHED_REASON
+from vjpgen.runtime.plan.decide import BATCHED_REASON
 
 BACKEND = "aot_eager"
 

@@ -1,4 +1,4 @@
-"""vjpgen.runtime.extern_ops: aten ops that Inductor graphs run as eager's ATen kernel.
+"""vjpgen.runtime.compile.extern_ops: aten ops that Inductor graphs run as eager's ATen kernel.
 
 Max-pool backward is the one entry: under Inductor's scatter decomposition the bench's CNN peaked
 at 1.77x eager's backward memory, with the extern kernel at or below eager's.
@@ -7,7 +7,7 @@ at 1.77x eager's backward memory, with the extern kernel at or below eager's.
 import pytest
 import torch
 
-from vjpgen.runtime import extern_ops
+from vjpgen.runtime.compile import extern_ops
 
 from examples import demo
 

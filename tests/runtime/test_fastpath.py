@@ -1,4 +1,4 @@
-"""Specialized gathers (vjpgen.runtime.fastpath): the straight-line gather written for a seen
+"""Specialized gathers (vjpgen.runtime.compile.fastpath): the straight-line gather written for a seen
 structure must collect exactly what the general gather does, and must refuse (fall back to the
 general path) whenever a static value, an aliasing between tensors or an edge's metadata differs
 from the structure it was written for: accepting would run a graph compiled for other constants,
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import cache, engine, fastpath
+from vjpgen.runtime.execute import executor, region_key
+from vjpgen.runtime.compile import cache, fastpath
 from examples import demo
-from vjpgen.runtime import plan as plan_mod
+from vjpgen.runtime.plan import plan as plan_mod
 
 BK = "aot_eager"
 
@@ -26,13 +27,13 @@ def _same(a, b) -> bool:
 @pytest.fixture
 def compare_gathers(monkeypatch):
     """Check every specialized gather against the general one on the same live inputs."""
-    orig = engine.run_region
+    orig = executor.run_region
     seen = {"checked": 0, "accepted": 0}
 
     def checked(region, plan, nodes, metas, buf, ctx):
         # the hot path's inlined encoding is the reference writer's (capture.flatten for every value)
-        S, T, I, _, _, _ = engine.gather(region, plan, nodes, metas, buf)
-        rS, rT, rI, _, _, _ = engine.gather(region, plan, nodes, metas, buf, labels=True)
+        S, T, I, _, _, _ = region_key.gather(region, plan, nodes, metas, buf)
+        rS, rT, rI, _, _, _ = region_key.gather(region, plan, nodes, metas, buf, labels=True)
         assert S == rS and I == rI and len(T) == len(rT) and all(_same(a, b) for a, b in zip(T, rT)), region.label
         seen["reference"] = seen.get("reference", 0) + 1
         learned = plan.learned.regions[region.index]
@@ -52,7 +53,7 @@ def compare_gathers(monkeypatch):
             seen["checked"] += 1
         return orig(region, plan, nodes, metas, buf, ctx)
 
-    monkeypatch.setattr(engine, "run_region", checked)
+    monkeypatch.setattr(executor, "run_region", checked)
     return seen
 
 

@@ -1,5 +1,5 @@
 """``vjpgen.runtime.compiled_autograd(backend, optimizer=opt, clip_grad_norm=None)``
-(runtime/fused_optim.py) against eager's ``loss.backward(); opt.step(); opt.zero_grad()`` run by
+(runtime/integrations/fused_optim.py) against eager's ``loss.backward(); opt.step(); opt.zero_grad()`` run by
 hand: parameters and optimizer state after 10 steps, for each optimizer and option, in the runtime
 mode and through the vjpgen torch.compile backend (inner compiler aot_eager), float64 at rtol 1e-6;
 what is not fused runs the plain path, counted; one Inductor case for the memory of the step."""

@@ -1,4 +1,4 @@
-"""The fused optimizer (runtime/fused_optim.py) when one graph structure reaches different
+"""The fused optimizer (runtime/integrations/fused_optim.py) when one graph structure reaches different
 parameters on different calls (issue 48): two heads on one trunk with the loss alternating between
 them, a mixture of experts whose unrouted experts get no grad, a frozen block, a head added to the
 optimizer mid-run, a ``.grad`` left by an earlier backward on a parameter the fused graph does not

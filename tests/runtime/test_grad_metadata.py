@@ -15,7 +15,7 @@ import torch
 from torch.testing import assert_close
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import capture
+from vjpgen.runtime.compile import capture
 
 
 def _distorting(f):

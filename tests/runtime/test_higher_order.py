@@ -1,4 +1,4 @@
-"""create_graph=True compiled to any order (runtime/higher_order.py), against eager autograd."""
+"""create_graph=True compiled to any order (runtime/orders/higher_order.py), against eager autograd."""
 
 import contextlib
 import warnings
@@ -97,7 +97,7 @@ def test_a_vjp_that_outgrows_its_graph_runs_uncompiled_with_eagers_values(monkey
     third derivative: cumprod_backward's differentiable loop, 21 -> 3054 -> over 60,000 aten ops)
     is not traced further: that order runs vjpgen's kernels uncompiled, counted with the reason,
     eager's values. Budgets shrunk here so a small function meets them."""
-    from vjpgen.runtime import diffgraph
+    from vjpgen.runtime.orders import diffgraph
 
     monkeypatch.setattr(diffgraph, "VJP_GROWTH", 1)
     monkeypatch.setattr(diffgraph, "MIN_VJP_OPS", 1)

@@ -6,7 +6,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import capture
+from vjpgen.runtime.compile import capture
 from examples import demo
 
 aten = torch.ops.aten

@@ -1,4 +1,4 @@
-"""vjpgen's workarounds for Inductor (CPU) miscompiles (runtime/inductor_fixes.py; repros without
+"""vjpgen's workarounds for Inductor (CPU) miscompiles (runtime/compile/inductor_fixes.py; repros without
 vjpgen in docs/repros/): the graphs vjpgen compiles give eager's values, and each workaround that
 changed a graph's code is counted."""
 
@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from vjpgen.runtime import capture, inductor_fixes, reset_stats, stats
+from vjpgen.runtime import reset_stats, stats
+from vjpgen.runtime.compile import capture, inductor_fixes
 
 N, E, C = 20, 120, 16  # nodes, edges, channels: the shapes of MACE's aborting kernel
 

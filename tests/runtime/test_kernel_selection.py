@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
+from vjpgen.runtime.plan import kernels
 
 def _grad(sel):
     x = torch.tensor([0.2, 0.4, 1.1], requires_grad=True)
@@ -37,7 +38,7 @@ def test_switching_back_and_forth_compiles_once_per_selection(ste_kernels):
 def test_first_override_selection_is_logged_once(ste_kernels, monkeypatch, caplog):
     import logging
 
-    monkeypatch.setattr(rt.kernels, "_told", False)  # as in a fresh process
+    monkeypatch.setattr(kernels, "_told", False)  # as in a fresh process
     with caplog.at_level(logging.WARNING, logger="vjpgen"):
         rt.use_kernels(ste_kernels)
         rt.use_kernels(None)

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import capture, engine, leaves, walk
+from vjpgen.runtime.execute import call_context, executor, scatter
+from vjpgen.runtime.compile import capture
+from vjpgen.runtime.execute import leaves
+from vjpgen.runtime.graph import walk
 from vjpgen import native
 
 BK = "aot_eager"
@@ -186,7 +189,7 @@ def test_custom_function_saved_tensors_released():
 
 
 def test_tensor_guard_checks_metadata_and_keeps_no_tensor_alive():
-    from vjpgen.runtime.cache import _MetaGuard, tensor_guard
+    from vjpgen.runtime.compile.cache import _MetaGuard, tensor_guard
 
     a = torch.randn(3, 4)
     p = torch.nn.Parameter(torch.randn(2))
@@ -319,7 +322,7 @@ def test_native_stealable_matches_the_python_rule():
         (torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), var_cl, True),
         (torch.randn(1, 6), torch.randn(1, 6), True),
     ]
-    ctx = engine.CallContext("eager")
+    ctx = call_context.CallContext("eager")
     for grad, v, expected in cases:
         py = (grad._base is None or leaves._owns_storage(grad)) and leaves._obeys_layout_contract(grad, v)
         assert nat.stealable(grad, v) == py == expected, (grad.shape, grad.stride(), v.stride())
@@ -378,7 +381,7 @@ def test_native_steal_grads_on_a_lazy_walk():
 def test_native_scatter_outputs_is_the_python_scatter():
     """Every case of a region's output table (replace, sum into a held grad, fill an empty slot, an
     output not produced clearing a replaced slot or leaving a summed one, aliasing outputs
-    protected) gives the native helper's buffer what engine.scatter_outputs gives."""
+    protected) gives the native helper's buffer what scatter.scatter_outputs gives."""
     _require_native()
     outs = [torch.full((2,), float(k + 1)) for k in range(4)]
     held = [torch.full((2,), 10.0), torch.full((2,), 20.0), None, torch.full((2,), 30.0), torch.full((2,), 40.0), None]
@@ -386,9 +389,9 @@ def test_native_scatter_outputs_is_the_python_scatter():
     # replace slot 3 with nothing; leave summed slot 4 without an output; sum into empty slot 5
     table = (0, 0, 1, 1, 1, 2, 2, 2, 2, 3, -1, 1, 4, -1, 0, 5, 3, 0)
     runs = []
-    for scatter in (native.module().scatter_outputs, engine.scatter_outputs):
+    for scatter_fn in (native.module().scatter_outputs, scatter.scatter_outputs):
         buf, protected = list(held), set()
-        scatter(outs, table, buf, protected)
+        scatter_fn(outs, table, buf, protected)
         runs.append((buf, protected))
     (nb, np_), (pb, pp) = runs
     assert np_ == pp == {id(outs[1]), id(outs[2])}
@@ -474,14 +477,14 @@ def test_lazy_walk_is_the_walk_and_a_hit_makes_no_node_objects(monkeypatch):
         lazy[0][len(full[0])]
 
     made = []
-    orig = engine.execute
+    orig = executor.execute
 
     def execute(plan, nodes, metas, grads, ctx):
         out = orig(plan, nodes, metas, grads, ctx)
         made.append(nodes.made() if type(nodes) is not list else None)
         return out
 
-    monkeypatch.setattr(engine, "execute", execute)
+    monkeypatch.setattr(executor, "execute", execute)
     for _ in range(4):
         w.grad = None
         loss().backward()

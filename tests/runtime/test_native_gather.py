@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import fastpath
+from vjpgen.runtime.compile import fastpath
 from examples import demo
 from vjpgen import native
-from vjpgen.runtime.cache import Compiled, find
+from vjpgen.runtime.compile.cache import Compiled, find
 
 BK = "aot_eager"
 
@@ -266,14 +266,14 @@ def test_armed_program_refuses_other_strides(compare_native):
 def test_steady_calls_take_the_armed_entry(monkeypatch):
     """Calls of one graph after the first two: the native program hands back its entry (no guard
     in Python, no general path); the grads are eager's."""
-    from vjpgen.runtime import engine
+    from vjpgen.runtime.execute import first_order, lookup
 
     x = torch.randn(6, 5, requires_grad=True)
     c = torch.randn(6, 5)
     for _ in range(3):  # plan, compile, specialize and arm
         _grads_match(lambda: rt.backward(_chain(x, c, 9), backend=BK), lambda: _chain(x, c, 9).backward(), [x])
     calls = {"general": 0, "find": 0}
-    general, find_ = engine._lookup_or_compile, engine.find
+    general, find_ = lookup._lookup_or_compile, first_order.find
 
     def count(name, f):
         def g(*a, **k):
@@ -281,8 +281,8 @@ def test_steady_calls_take_the_armed_entry(monkeypatch):
             return f(*a, **k)
         return g
 
-    monkeypatch.setattr(engine, "_lookup_or_compile", count("general", general))
-    monkeypatch.setattr(engine, "find", count("find", find_))
+    monkeypatch.setattr(lookup, "_lookup_or_compile", count("general", general))
+    monkeypatch.setattr(first_order, "find", count("find", find_))
     for _ in range(3):
         _grads_match(lambda: rt.backward(_chain(x, c, 9), backend=BK), lambda: _chain(x, c, 9).backward(), [x])
     assert calls["general"] == 0

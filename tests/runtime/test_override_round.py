@@ -13,6 +13,7 @@ import torch
 from torch._dynamo import compiled_autograd as ca
 
 import vjpgen.runtime as rt
+from vjpgen.runtime.plan import kernels
 from vjpgen.generated import get_module
 
 
@@ -104,7 +105,7 @@ def test_bad_selections_say_what_to_do(tmp_path):
 
     with pytest.raises(ValueError, match="not an override package"):
         rt.use_kernels(Path(generated.__file__).parent)
-    assert rt.kernels.current() is None
+    assert kernels.current() is None
 
 
 def test_overlay_needs_an_out_folder(capsys):
@@ -120,7 +121,7 @@ def test_overlay_needs_an_out_folder(capsys):
 def test_known_different_classes_run_live_on_their_releases(monkeypatch):
     """A class whose formula a release's edge-value run found different is served no module there
     (the runtime and compiled autograd then run torch's node), and is untouched elsewhere."""
-    from vjpgen.runtime import kernels
+    from vjpgen.runtime.plan import kernels
 
     monkeypatch.setattr(kernels, "_known_live", None)
     monkeypatch.setattr(kernels, "KNOWN_DIFFERENT", {"MulBackward0": (">=2.14", "test")})

@@ -9,7 +9,7 @@ import torch
 
 import vjpgen.runtime as rt
 from vjpgen.runtime import api
-from vjpgen.runtime import plan as plan_mod
+from vjpgen.runtime.plan import plan as plan_mod
 
 
 def _one_plan(create_graph=False):

@@ -12,7 +12,10 @@ import torch
 
 import vjpgen.generated as gen
 import vjpgen.runtime as rt
-from vjpgen.runtime import custom_function, diffgraph, engine, fused_optim, higher_order, joint
+from vjpgen.runtime.execute import first_order
+from vjpgen.runtime.plan import custom_function
+from vjpgen.runtime.orders import diffgraph, higher_order, joint
+from vjpgen.runtime.integrations import fused_optim
 from vjpgen.runtime.protocols import CompilingKind, KernelModule, RegionKind, check_kernel_module
 
 
@@ -64,7 +67,7 @@ def test_adapters_are_kernel_modules():
 
 
 def test_region_kinds():
-    for kind in (engine.FirstOrder, higher_order.CreateGraph):
+    for kind in (first_order.FirstOrder, higher_order.CreateGraph):
         assert isinstance(kind, CompilingKind), kind
     assert isinstance(joint.Inline, RegionKind) and not isinstance(joint.Inline, CompilingKind)
     assert isinstance(fused_optim._FusedKind.__new__(fused_optim._FusedKind), CompilingKind)

@@ -1,6 +1,6 @@
 """Patterns from real training code that used to crash the capture, against eager autograd:
 complex views (rotary embeddings), tensor subclasses, nested jagged tensors; and the one place that
-decides how each node runs (runtime/decide.py)."""
+decides how each node runs (runtime/plan/decide.py)."""
 
 import ast
 from pathlib import Path
@@ -145,7 +145,7 @@ def test_the_decision_of_how_a_node_runs_lives_in_decide_py():
         if bad:
             offenders[p.name] = sorted(bad)
     assert not offenders, offenders
-    from vjpgen.runtime import decide
+    from vjpgen.runtime.plan import decide
 
     names = [n for n, _ in decide.RULES]
     assert names == ["hooks", "custom Function", "no module", "untranslated", "nested", "subclass leaf"]

@@ -566,7 +566,7 @@ def test_side_effect_free_custom_function_still_compiles():
     ("torch.rand_like(g)", "random call rand_like"),
 ])
 def test_purity_reasons(src, reason):
-    from vjpgen.runtime.purity import side_effect_reason
+    from vjpgen.runtime.plan.purity import side_effect_reason
 
     import linecache
 

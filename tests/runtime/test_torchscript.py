@@ -1,4 +1,4 @@
-"""TorchScript'd code under vjpgen's runtime (runtime/torchscript.py): after vjpgen's first backward
+"""TorchScript'd code under vjpgen's runtime (runtime/integrations/torchscript.py): after vjpgen's first backward
 scripted code records per-op autograd nodes, which compile like eager code's; fused
 DifferentiableGraphBackward nodes TorchScript made before that are graph breaks that say so."""
 
@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import decide, torchscript
+from vjpgen.runtime.plan import decide
+from vjpgen.runtime.integrations import torchscript
 
 BK = "aot_eager"
 

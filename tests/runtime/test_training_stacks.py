@@ -9,7 +9,7 @@ import torch.nn as nn
 import vjpgen.runtime as rt
 from vjpgen.runtime import api
 from vjpgen import native
-from vjpgen.runtime import plan as plan_mod
+from vjpgen.runtime.plan import plan as plan_mod
 
 BK = "aot_eager"
 needs_native = pytest.mark.skipif(native.module() is None, reason="the native helper is not built")
@@ -226,7 +226,7 @@ def test_state_read_once_equals_the_modules_get_state():
     """saved.state() builds needs_input_grad itself (the saved values come from the per-call
     memo): it must equal the module's own get_state, for tensor-list inputs (cat) too."""
     from vjpgen import generated
-    from vjpgen.runtime import saved
+    from vjpgen.runtime.graph import saved
 
     a = torch.randn(3, requires_grad=True)
     b = torch.randn(3)

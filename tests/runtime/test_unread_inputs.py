@@ -10,7 +10,8 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import vjpgen.runtime as rt
-from vjpgen.runtime import capture, engine
+from vjpgen.runtime.execute import region_fn
+from vjpgen.runtime.compile import capture
 from examples import demo
 
 CALL = """
@@ -94,14 +95,14 @@ def test_cpp_wrapper_for_small_ops_wholly_on_the_cpu(monkeypatch):
 @pytest.fixture
 def compiled_regions(monkeypatch):
     seen = []
-    orig = engine._compile_region_now
+    orig = region_fn._compile_region_now
 
     def spy(*a, **k):
         c = orig(*a, **k)
         seen.append(c)
         return c
 
-    monkeypatch.setattr(engine, "_compile_region_now", spy)
+    monkeypatch.setattr(region_fn, "_compile_region_now", spy)
     return seen
 
 
@@ -128,7 +129,7 @@ def test_inputs_only_inductor_drops_are_not_held(wrapper, monkeypatch, compiled_
     max-pool, under Inductor's C++ wrapper (vjpgen's default on CPU) and its Python wrapper:
     training batch norm's backward never reads the running stats; those positions are passed as a
     stand-in, and grads equal eager's. Max-pool's backward is eager's ATen kernel, called through
-    its C shim from C++ (see :mod:`vjpgen.runtime.extern_ops`)."""
+    its C shim from C++ (see :mod:`vjpgen.runtime.compile.extern_ops`)."""
     monkeypatch.setenv("VJPGEN_CPP_WRAPPER", "1" if wrapper == "cpp" else "0")
     unread, sources = [], []
     orig = capture.unread_inputs

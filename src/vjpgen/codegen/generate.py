@@ -265,7 +265,7 @@ def _build_files(inputs: Inputs, jobs: int) -> dict[str, str]:
     where = origin(inputs.user_overlays)
     if inputs.user_overlays:
         # an override package: only the classes the user's overlays define (the runtime consults it
-        # first and the default package for every other class; see vjpgen.runtime.kernels)
+        # first and the default package for every other class; see vjpgen.runtime.plan.kernels)
         if not loaded.user_classes:
             raise GenerateError(
                 f"{', '.join(map(str, inputs.user_overlays))}: no entry defines a backward node class of torch "

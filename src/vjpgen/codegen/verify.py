@@ -94,6 +94,7 @@ def _short(e: BaseException) -> str:
 
 
 def _default_get_module(name):
+    from vjpgen import native  # noqa: F401  (registers the reader of C++ node fields get_state uses)
     from vjpgen.generated import get_module
 
     return get_module(name, strict=False)

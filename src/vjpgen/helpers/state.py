@@ -12,7 +12,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from .. import native
 from .types import TensorGeometry, TensorOptions, TypeAndSize
 
 
@@ -91,6 +90,18 @@ def type_and_size_of(meta) -> TypeAndSize | None:
 
 _MISSING = object()
 
+# The native helper's loader (``vjpgen.native.module``), registered by that package when it is
+# imported (helpers sit below it and import nothing above them): a callable returning the built
+# extension, whose ``saved_value(node, name)`` reads a C++ node's field, or None where it is off.
+_struct_reader: Callable[[], object] | None = None
+
+
+def set_struct_reader(loader: Callable[[], object] | None) -> None:
+    """Register the loader of the module that reads saved values from C++ nodes (the native
+    helper registers ``vjpgen.native.module`` at import; None unregisters it)."""
+    global _struct_reader
+    _struct_reader = loader
+
 
 def node_struct_value(node, name: str):
     """The saved value ``name`` as the C++ node struct holds it, read by the native helper
@@ -98,7 +109,7 @@ def node_struct_value(node, name: str):
     torch gives Python no getter for: a TensorGeometry as :class:`TensorGeometry`, an
     ``optional<bool>`` as None/bool. ``_MISSING`` where the helper is not built or its table has no
     such field for the node's class (symbolic sizes included)."""
-    nat = native.module()
+    nat = _struct_reader() if _struct_reader is not None else None
     if nat is None:
         return _MISSING
     try:

@@ -5,7 +5,7 @@ The extension is built on first use with :func:`torch.utils.cpp_extension.load` 
 gcc, once per torch release and helper source; the build lives under vjpgen's cache folder, see
 :func:`vjpgen.codegen.environment.cache_root`). Where it cannot be built (no compiler, or
 ``VJPGEN_NATIVE=0``) the runtime does all of it in Python instead (slower, same effect; see
-:func:`vjpgen.runtime.release.release_saved`), and says so once in the log.
+:func:`vjpgen.runtime.graph.release.release_saved`), and says so once in the log.
 """
 
 from __future__ import annotations
@@ -34,6 +34,15 @@ def module():
         if "module" not in _state:
             _state["module"] = _load()
     return _state["module"]
+
+
+def _register() -> None:
+    """The generated ``get_state`` functions read saved values torch gives Python no getter for
+    through this helper (``vjpgen.helpers.state.node_struct_value``): the helpers sit below this
+    package, so it registers its loader with them instead of being imported by them."""
+    from vjpgen.helpers import state
+
+    state.set_struct_reader(lambda: module())  # (looked up per call: VJPGEN_NATIVE=0 and tests replace it)
 
 
 def _load():
@@ -223,3 +232,5 @@ def _why(e: BaseException) -> str:
             return line.strip()[:300]
     return text.splitlines()[0][:200] if text else ""
 
+
+_register()

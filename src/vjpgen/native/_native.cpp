@@ -3,7 +3,7 @@
 // release(nodes[, indices]): Node::release_variables() on each node of a sequence (or on nodes[i]
 // for i in indices), as the autograd engine does after running a node without retain_graph (the
 // node drops its saved tensors).
-// walk(roots[, meta_type, wanted]): the breadth-first walk of vjpgen.runtime.engine.walk over
+// walk(roots[, meta_type, wanted]): the breadth-first walk of vjpgen.runtime.graph.walk.walk over
 // next_edges, without building next_functions tuples: (nodes, structure key as bytes,
 // {node: index}), and with meta_type also each node's input metadata as tuples of meta_type (a
 // namedtuple class with the fields shape, dtype, device, is_nested_tensor, is_cpp_nested_tensor;
@@ -484,7 +484,7 @@ int64_t saved_hook_key_py(pybind11::handle node) {
 
 // ---------------------------------------------------------------------------------------------
 // Native gather: a region's inputs read from the live nodes in one call, by a program that
-// vjpgen.runtime.fastpath builds once per region and static part S (see native_gather in
+// vjpgen.runtime.compile.fastpath builds once per region and static part S (see native_gather in
 // fastpath.py). It hands back the same (T, I) the region's specialized Python gather does, or None
 // wherever that one would (then the Python gather runs, and after it the general path). Ops:
 //   ("grad", slot, None) / ("grad", slot, type, pos): buf[slot] is None / a tensor of exactly
@@ -1844,7 +1844,7 @@ pybind11::tuple walk(pybind11::handle roots, pybind11::handle meta_type, pybind1
   return pybind11::make_tuple(out, kb, index, metas, hooked, saved_hooked);
 }
 
-// Whether AccumulateGrad may keep `grad` itself as `var.grad` (vjpgen.runtime.engine._stealable
+// Whether AccumulateGrad may keep `grad` itself as `var.grad` (vjpgen.runtime.execute.leaves._stealable
 // without its per-call part): grad is not a view into a larger storage, and it obeys the gradient
 // layout contract with var (as AccumulateGrad::accumulateGrad requires to steal).
 bool stealable(pybind11::handle grad, pybind11::handle var) {
@@ -1908,7 +1908,7 @@ void prefetch_leaves(const std::vector<torch::autograd::AccumulateGrad*>& accs, 
   }
 }
 
-// AccumulateGrad's common case for a batch of leaves (vjpgen.runtime.engine.accumulate_leaf's
+// AccumulateGrad's common case for a batch of leaves (vjpgen.runtime.execute.leaves.accumulate_leaf's
 // fast path): where nodes[i] is an AccumulateGrad whose variable has no .grad and no tensor or
 // post-accumulate-grad hooks, and grads[i] is a tensor that does not require grad, is not in
 // `protected` (ids of tensors something else of this call holds) and is stealable() with the
@@ -1988,7 +1988,7 @@ bool strided_leaves(pybind11::handle nodes, pybind11::handle indices) {
   return true;
 }
 
-// A compiled region's outputs into the call's grad buffer (engine._run_region): `table` holds
+// A compiled region's outputs into the call's grad buffer (vjpgen.runtime.execute.scatter.call_and_scatter): `table` holds
 // three ints per region output: its slot s in buf, its position k in outs (-1: the graph produced
 // none) and flags (1: the slot's grad is replaced, not summed; 2: the output may alias an input,
 // so its id joins `protected`). buf[s] becomes outs[k], or buf[s] + outs[k] where buf[s] holds a
@@ -2287,12 +2287,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("walk", &walk, "breadth-first walk from root nodes: (nodes, structure key bytes, {node: index}[, metas, hooked, saved_hooked]); lazy: nodes is a NodeList",
         pybind11::arg("roots"), pybind11::arg("meta_type") = pybind11::none(),
         pybind11::arg("wanted") = pybind11::none(), pybind11::arg("lazy") = false);
-  m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen engine.accumulate_leaf)",
+  m.def("steal_grads", &steal_grads, "AccumulateGrad's common case for a batch of leaves (see vjpgen.runtime.execute.leaves.accumulate_leaf)",
         pybind11::arg("nodes"), pybind11::arg("grads"), pybind11::arg("protected"),
         pybind11::arg("indices") = pybind11::none());
   m.def("strided_leaves", &strided_leaves, "every nodes[i] (i in indices) is the AccumulateGrad of a strided tensor",
         pybind11::arg("nodes"), pybind11::arg("indices"));
-  m.def("scatter_outputs", &scatter_outputs, "a compiled region's outputs into the grad buffer (see engine._run_region)",
+  m.def("scatter_outputs", &scatter_outputs, "a compiled region's outputs into the grad buffer (see vjpgen.runtime.execute.scatter.call_and_scatter)",
         pybind11::arg("outs"), pybind11::arg("table"), pybind11::arg("buf"), pybind11::arg("protected"));
   m.def("hook_flags", &hook_flags, "{index: hook bits} for the nodes of a sequence that have hooks");
   m.def("call_node", &call_node, "the engine's call_function: hooks, the node, validate_outputs",

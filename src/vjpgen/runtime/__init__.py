@@ -11,29 +11,24 @@ from ..codegen.versions import warn_if_unsupported as _warn_if_unsupported
 
 _warn_if_unsupported()
 
-from . import hooks as _hooks  # noqa: E402
+from .graph import hooks as _hooks  # noqa: E402
 
 _hooks.install()
 
-from . import graph_task as _graph_task  # noqa: E402
+from .execute import graph_task as _graph_task  # noqa: E402
 
 _graph_task.install()  # torch._C._will_engine_execute_node answers for vjpgen's calls too
 
-from .ca_kernels import (  # noqa: E402
-    compiled_autograd_kernel_stats,
-    compiled_autograd_kernels_enabled,
-    reset_compiled_autograd_kernel_stats,
-    set_compiled_autograd_kernels,
-    torch_compiled_autograd,
-)
+from .integrations.ca_kernels import compiled_autograd_kernel_stats, compiled_autograd_kernels_enabled, reset_compiled_autograd_kernel_stats, set_compiled_autograd_kernels, torch_compiled_autograd
 from .api import backward, call_functional, clear_cache, compiled_autograd, grad  # noqa: E402
-from . import api as _api, torchscript as _torchscript  # noqa: E402
+from . import api as _api
+from .integrations import torchscript as _torchscript  # noqa: E402
 
 _torchscript.register_builtins(_api.patched_autograd_grad, _api.patched_autograd_backward)
 from .explain import explain  # noqa: E402
-from .kernels import use_kernels  # noqa: E402
+from .plan.kernels import use_kernels  # noqa: E402
 from .stats import reset_stats, stats  # noqa: E402
-from .capture import CheckError  # noqa: E402
+from .compile.capture import CheckError  # noqa: E402
 
 __all__ = [
     "CheckError",

@@ -13,13 +13,17 @@ from collections import OrderedDict
 
 import torch
 
-from . import capture, decide, diffgraph, engine, fused_optim, graph_task, higher_order, hooks, kernels, leaves, torchscript
-from . import walk
+from .compile import capture
+from .plan import decide, kernels
+from .orders import higher_order, stages
+from .execute import call_context, executor, first_order, graph_task, leaves, region_fn
+from .integrations import fused_optim, torchscript
+from .graph import hooks, walk
 from .. import native
-from . import plan as plan_mod
-from . import saved as _saved
-from .call_context import OnesRoot, context_factory
-from .sparse import leaf_node
+from .plan import plan as plan_mod
+from .graph import saved as _saved
+from .execute.call_context import OnesRoot, context_factory
+from .graph.sparse import leaf_node
 from .stats import STATS, record_eager_fallback
 
 log = logging.getLogger("vjpgen")
@@ -183,7 +187,7 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     pause = gc.isenabled()
     if pause:
         gc.disable()
-        engine.GC_PAUSED = True
+        region_fn.GC_PAUSED = True
     memo = _saved.begin()  # each node's saved values are read once (saved-tensor hooks)
     try:
         res = _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
@@ -192,7 +196,7 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
         _saved.end(memo)
         _local.run_depth = depth
         if pause:
-            engine.GC_PAUSED = False
+            region_fn.GC_PAUSED = False
             gc.enable()
     if accumulate and depth == 0:
         opt = _optimizer()
@@ -345,22 +349,22 @@ def execute_call(call, nodes, metas, grads, inputs, targets, retain_graph, backe
              create_graph=False):
     """Run a plan: the steps, then the sinks (leaf accumulation, captured grads). The one execute
     path of every call; ``create_graph`` picks the region runner and leaf sink that keep the grads'
-    history (runtime/higher_order.py), and grad mode on, as the engine runs such a backward.
+    history (runtime/orders/higher_order.py), and grad mode on, as the engine runs such a backward.
     ``call``: (plan, its key, the hooks this call's walk found). Graph breaks the call finds are
     stored as a new plan under the key for later calls (the plan itself never changes)."""
     plan, skey, hooked = call
     fused = None
     if create_graph:
-        ctx = engine.CallContext(backend, not retain_graph, higher_order.CreateGraph, higher_order.accumulate_leaves,
+        ctx = call_context.CallContext(backend, not retain_graph, higher_order.CreateGraph, higher_order.accumulate_leaves,
                                  True)
     else:
-        ctx = engine.CallContext(backend, not retain_graph, engine.FirstOrder, leaves.accumulate_leaves)
+        ctx = call_context.CallContext(backend, not retain_graph, first_order.FirstOrder, leaves.accumulate_leaves)
         opt = _optimizer() if accumulate and getattr(_local, "run_depth", 0) == 1 else None
         # (clip_grad_norm needs every grad first, a grad scaler decides after all of them: the plain path)
         if opt is not None and opt[1] is None and opt[2] is None:
             fused = fused_optim.FusedCall(opt[0], plan, nodes)
             if fused.by_region:
-                ctx.kind = fused.region_kind(engine.FirstOrder)
+                ctx.kind = fused.region_kind(first_order.FirstOrder)
             else:
                 fused = None
     ctx.graphs = explain_sink[-1] if explain_sink else None
@@ -368,7 +372,7 @@ def execute_call(call, nodes, metas, grads, inputs, targets, retain_graph, backe
     grad_was = torch.is_grad_enabled()
     torch._C._set_grad_enabled(create_graph)  # torch.no_grad() without its Python layers (~4 us a call)
     try:
-        buf = engine.execute(plan, nodes, metas, grads, ctx)
+        buf = executor.execute(plan, nodes, metas, grads, ctx)
         if fused is not None:
             fused.finish(ctx.kind.updated)
         # sinks
@@ -479,7 +483,7 @@ def backward(
         retain_graph = create_graph
     if create_graph:
         _warn_create_graph_cycle()
-    # (create_graph: compiled as differentiable graphs, runtime/higher_order.py)
+    # (create_graph: compiled as differentiable graphs, runtime/orders/higher_order.py)
     _run(outputs, grad_tensors, inputs, retain_graph, backend, True, None, bool(create_graph))
     return None
 
@@ -511,7 +515,7 @@ def grad(
         allow_unused = False
     if retain_graph is None:
         retain_graph = create_graph
-    # (create_graph: compiled as differentiable graphs, runtime/higher_order.py)
+    # (create_graph: compiled as differentiable graphs, runtime/orders/higher_order.py)
     return _run(outs, grad_outputs, ins, retain_graph, backend, False, allow_unused, bool(create_graph))
 
 
@@ -665,7 +669,7 @@ def _patched_engine_run_backward(t_outputs, grad_tensors, keep_graph, create_gra
     ``Tensor.backward`` all arrive, with their arguments parsed (generators, dicts, GradientEdges)
     and the root grads made by torch. Inside a block, the call runs through vjpgen."""
     ex = getattr(_local, "expanders", None)
-    if ex and not _local_bypass():  # a joint's trace (runtime/joint.py)
+    if ex and not _local_bypass():  # a joint's trace (runtime/orders/joint.py)
         return ex[-1](t_outputs, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad)
     st = _stack()
     if not st or _local_bypass() or kwargs or _foreign(t_outputs, inputs):
@@ -689,7 +693,7 @@ def compiled_autograd(backend="inductor", optimizer=None, clip_grad_norm=None, g
     With ``optimizer``, a backward that accumulates into leaves is followed by the optimizer's step
     and ``zero_grad(set_to_none=True)``: the parameters are updated and no ``.grad`` is left. The
     update of each parameter vjpgen can fuse is traced into the compiled region that completes its
-    grad (runtime/fused_optim.py). ``clip_grad_norm=max_norm`` clips the grads by their global
+    grad (runtime/integrations/fused_optim.py). ``clip_grad_norm=max_norm`` clips the grads by their global
     2-norm first, as ``torch.nn.utils.clip_grad_norm_`` does. With ``grad_scaler`` (AMP's
     ``torch.amp.GradScaler``; the loss given to ``backward`` is ``scaler.scale(loss)``) the step is
     eager's scaled one: ``unscale_``, the clipping, ``scaler.step(opt)`` (skipped on inf or NaN),
@@ -753,7 +757,7 @@ def expanding(handler):
     """Within (on this thread): a backward that reaches torch's engine — from any spelling, inside a
     function a joint traces — is ``handler(t_outputs, grad_tensors, keep_graph, create_graph, inputs,
     allow_unreachable, accumulate_grad)`` instead (the ``vjpgen`` torch.compile backend passes
-    :func:`vjpgen.runtime.joint.engine_call`, which expands it with vjpgen's kernels on the traced
+    :func:`vjpgen.runtime.orders.joint.engine_call`, which expands it with vjpgen's kernels on the traced
     tensors rather than running torch's C++ nodes)."""
     stack = getattr(_local, "expanders", None)
     if stack is None:
@@ -767,4 +771,4 @@ def expanding(handler):
         _uninstall()
 
 
-diffgraph.set_expanding(expanding)  # (the compiled graphs' traces route grad calls through it)
+stages.set_expanding(expanding)  # (the compiled graphs' traces route grad calls through it)

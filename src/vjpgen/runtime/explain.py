@@ -15,8 +15,10 @@ from collections import Counter
 
 import torch
 
-from . import api, kernels, walk
-from . import plan as plan_mod
+from . import api
+from .plan import kernels
+from .graph import walk
+from .plan import plan as plan_mod
 from .stats import STATS
 
 
@@ -166,7 +168,7 @@ def _backward_breaks(loss) -> list:
     """(node class, reason) of every graph break of the plan ``loss.backward()`` gets (the breaks
     ``stats()`` counts after it), planned as the API plans it, without running anything."""
     from .. import native
-    from . import hooks
+    from .graph import hooks
 
     root_edges = [(loss.grad_fn, loss.output_nr)]
     native_hooks = native.module() is not None

@@ -3,13 +3,13 @@
 :class:`KernelModule` is what the executor (plan, engine, fastpath, joint, compiled autograd's
 hook) reads from a backward node's kernel: every generated module (``vjpgen.generated`` and an
 override package; the template ``templates/module.py.j2``), a custom ``autograd.Function``'s
-adapter (:class:`vjpgen.runtime.custom_function.FunctionModule`) and the node of a differentiable
-compiled graph (:class:`vjpgen.runtime.diffgraph.GraphFnModule`: the ``vjpgen`` backend's graphs
+adapter (:class:`vjpgen.runtime.plan.custom_function.FunctionModule`) and the node of a differentiable
+compiled graph (:class:`vjpgen.runtime.orders.diffgraph.GraphFnModule`: the ``vjpgen`` backend's graphs
 and the runtime's create_graph regions, one mechanism).
 
-:class:`RegionKind` is how the executor (``engine.run_region``) runs a region: one lookup, the
+:class:`RegionKind` is how the executor (``lookup.run_region``) runs a region: one lookup, the
 kind decides where compiled entries live and how they are called; :class:`CompilingKind` adds what
-the general path asks on a miss. Its implementations: ``engine.FirstOrder``,
+the general path asks on a miss. Its implementations: ``first_order.FirstOrder``,
 ``higher_order.CreateGraph`` and ``fused_optim._FusedKind`` (compiling), ``joint.Inline`` (a
 joint's trace: the region's kernels called on traced tensors, never compiled).
 
@@ -79,7 +79,7 @@ class CompilingKind(RegionKind, Protocol):
     ``joint.Inline``, whose ``fast`` serves every call)."""
 
     def cache(self, region, plan, T) -> Any:
-        """The region cache (``vjpgen.runtime.cache.RegionCache``) that holds this kind's entries."""
+        """The region cache (``vjpgen.runtime.compile.cache.RegionCache``) that holds this kind's entries."""
 
     def compile(self, region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache) -> Any:
         """A new compiled entry for the structure ``S`` at these tensors and ints (``dd`` /

@@ -30,11 +30,11 @@ class _Stats:
         self.eager_fallbacks = 0  # whole backward handed to torch.autograd (create_graph, ...)
         self.eager_fallback_reasons: Counter = Counter()
         # graphs compiled by Inductor whose code one of vjpgen's workarounds for an Inductor bug
-        # changed (runtime/inductor_fixes.py), by workaround
+        # changed (runtime/compile/inductor_fixes.py), by workaround
         self.inductor_workarounds: Counter = Counter()
         self.plans = 0  # distinct graph structures seen
         self.plan_evictions = 0  # plans dropped from the bounded plan cache (least recently used)
-        # create_graph=True (runtime/higher_order.py), per order (1: the create_graph backward
+        # create_graph=True (runtime/orders/higher_order.py), per order (1: the create_graph backward
         # itself, 2: the backward through its outputs, ...)
         self.higher_order = {
             "compiled_calls": Counter(),  # order -> calls served by a compiled graph
@@ -46,13 +46,13 @@ class _Stats:
             "fallback_reasons": Counter(),  # "order N: reason" -> count
             "uncompiled_vjp_calls": 0,  # calls of a vjp whose joint could not be built (run uncompiled)
         }
-        # the optimizer step inside the compiled backward (runtime/fused_optim.py)
+        # the optimizer step inside the compiled backward (runtime/integrations/fused_optim.py)
         self.fused_optimizer = {
             "fused_params": 0,  # parameter updates done inside a compiled region
             "plain_params": 0,  # parameters left to opt.step() (their grad in .grad), by reason:
             "plain_reasons": Counter(),
         }
-        # the torch.compile backend (runtime/dynamo_backend.py)
+        # the torch.compile backend (runtime/integrations/dynamo_backend.py)
         self.backend = {
             "graphs": 0,  # graphs dynamo handed to the backend
             "inference_graphs": 0,  # of those, graphs with nothing to differentiate (inner compiler only)

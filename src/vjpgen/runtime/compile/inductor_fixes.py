@@ -30,7 +30,7 @@ import contextvars
 import logging
 import os
 
-from .stats import STATS
+from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
 

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import hooks, sparse
-from .. import native
-from .plan import Plan
+from ..graph import hooks, sparse
+from ... import native
+from ..plan.plan import Plan
 
 if TYPE_CHECKING:
     from .call_context import CallContext

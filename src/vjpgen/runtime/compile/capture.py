@@ -3,7 +3,7 @@ one FX graph of aten ops, and compile it (Inductor, aot_eager or eager).
 
 A region's traced function takes ``(*tensors, *dynamic_ints)``: the saved tensors and incoming
 grads (deduplicated by identity) followed by the sizes marked dynamic; everything else in the saved
-state is a constant of the graph and part of its cache key (see :mod:`vjpgen.runtime.cache`).
+state is a constant of the graph and part of its cache key (see :mod:`vjpgen.runtime.compile.cache`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .. import logs
+from ... import logs
 
 log = logging.getLogger("vjpgen")
 
@@ -372,7 +372,7 @@ def unread_inputs(source: str, n_args: int) -> tuple:
     Inductor frees an input after the last kernel that reads it, but an input that no kernel reads
     (batch norm's running stats in training; off CPU, max-pool backward's ``self``, whose shape
     alone Inductor's decomposition needs: on CPU it goes to eager's kernel, see
-    :mod:`vjpgen.runtime.extern_ops`) stays bound until the call returns, and with it the storage
+    :mod:`vjpgen.runtime.compile.extern_ops`) stays bound until the call returns, and with it the storage
     it shares with inputs that are freed early (max-pool's ``self`` is the ReLU output that ReLU's
     backward saved too): the eager engine frees that storage after the ReLU backward. Passing a
     stand-in in those positions (see :func:`_direct`) frees it where eager does. Any doubt (an
@@ -635,7 +635,7 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str 
     functions and of compiled autograd), so the compiled code holds the only references to its
     inputs and frees each (saved tensors, incoming grads) after its last use, as the eager engine
     frees a node's saved tensors after the node runs. Inductor's size and stride asserts on the
-    inputs are off: the region cache has checked them already (see :mod:`vjpgen.runtime.cache`).
+    inputs are off: the region cache has checked them already (see :mod:`vjpgen.runtime.compile.cache`).
     """
     t0 = time.perf_counter()
     ref = copy_graph(gm) if checking() and backend != "eager" else None

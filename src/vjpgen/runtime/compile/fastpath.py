@@ -1,7 +1,7 @@
 """Specialized gathers: a region's input flattening compiled to straight-line Python per structure.
 
-:func:`vjpgen.runtime.engine.gather` flattens a region's incoming grads, saved values and edge
-metadata into ``(S, T, I)`` (see :mod:`vjpgen.runtime.cache`) and the cache then hashes ``S``.
+:func:`vjpgen.runtime.execute.region_key.gather` flattens a region's incoming grads, saved values and edge
+metadata into ``(S, T, I)`` (see :mod:`vjpgen.runtime.compile.cache`) and the cache then hashes ``S``.
 From the second call of a graph on, ``S`` is almost always the one seen before, so rebuilding and
 hashing it is pure overhead (about half of a small model's cache-hit call). Like dynamo's guard
 code, :func:`specialize` writes, for one seen ``S``, a function that reads the same values in the
@@ -25,9 +25,9 @@ import textwrap
 import torch
 
 from . import capture
-from .. import native
-from . import saved as _saved
-from ..helpers.types import TensorOptions
+from ... import native
+from ..graph import saved as _saved
+from ...helpers.types import TensorOptions
 
 log = logging.getLogger("vjpgen")
 
@@ -152,7 +152,7 @@ class _Writer:
 
 def specialize(region, plan, nodes, metas, buf, S: tuple):
     """A function ``f(nodes, metas, buf) -> (T, I) | None`` that gathers ``region``'s inputs for
-    inputs whose static part is ``S`` (from :func:`vjpgen.runtime.engine.gather` on these same
+    inputs whose static part is ``S`` (from :func:`vjpgen.runtime.execute.region_key.gather` on these same
     ``nodes``/``metas``/``buf``), or None when this structure cannot be specialized."""
     w = _Writer()
     emit = w.emit
@@ -419,7 +419,7 @@ def _node_ops(w: _Writer, i: int, info, node, saved, nodes, metas):
 
 
 def _EdgeMeta():
-    from .walk import EdgeMeta
+    from ..graph.walk import EdgeMeta
 
     return EdgeMeta
 

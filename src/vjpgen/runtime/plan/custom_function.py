@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from .protocols import check_kernel_module
+from ..protocols import check_kernel_module
 
 _CONST_TYPES = (int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout)
 
@@ -202,7 +202,7 @@ def is_once_differentiable(node_cls) -> bool:
 
 
 def side_effect_reason(node_cls) -> str | None:
-    """Why the Function's backward may have Python side effects (see :mod:`vjpgen.runtime.purity`),
+    """Why the Function's backward may have Python side effects (see :mod:`vjpgen.runtime.plan.purity`),
     or None: then a compiled graph traced from it does what calling it does. A Function declares
     a backward pure with ``vjpgen_pure = True``, or brings its own module (``vjpgen_module``)."""
     from .purity import side_effect_reason as reason

@@ -1,10 +1,10 @@
 """``create_graph=True`` compiled, to any order: the region kind (:class:`CreateGraph`) and leaf
-sink that the one executor (:func:`vjpgen.runtime.engine.execute`, called by ``api.execute_call``)
+sink that the one executor (:func:`vjpgen.runtime.execute.executor.execute`, called by ``api.execute_call``)
 uses for a create_graph call; nothing here walks, plans, looks up or executes a graph.
 
 A create_graph backward runs the plan's compiled regions as differentiable functions: each region's
-function (``engine.make_region_fn``: the generated kernels of its nodes) is compiled as a
-:class:`vjpgen.runtime.diffgraph.CompiledGraph`, the one higher-order mechanism the ``vjpgen``
+function (``region_fn.make_region_fn``: the generated kernels of its nodes) is compiled as a
+:class:`vjpgen.runtime.orders.diffgraph.CompiledGraph`, the one higher-order mechanism the ``vjpgen``
 torch.compile backend uses too: its joint traced from vjpgen's kernels, partitioned, both halves
 compiled, called as one autograd node whose backward, under a further ``create_graph``, is the
 compiled graph of its vjp (vjpgen's kernels again), so every order is compiled. A later backward
@@ -18,7 +18,7 @@ Fallbacks, always counted in ``stats()["higher_order"]`` and always eager's valu
   autograd); a vjp whose joint cannot be built runs its function uncompiled (``diffgraph.EagerVjp``).
 
 The requires-grad pattern of a region's tensors is part of its cache key (one
-:class:`~vjpgen.runtime.cache.RegionCache` per pattern). Sizes become dynamic after one change as
+:class:`~vjpgen.runtime.compile.cache.RegionCache` per pattern). Sizes become dynamic after one change as
 at first order; a vjp is traced at exact sizes first, then once with the sizes that changed symbolic.
 """
 
@@ -28,11 +28,15 @@ import logging
 
 import torch
 
-from . import capture, decide, diffgraph, engine, fastpath, hooks, joint
-from .. import native
-from .cache import Compiled, RegionCache, find, make_guard
-from .leaves import clone_obey_contract
-from .stats import STATS
+from ..compile import capture, fastpath
+from ..plan import decide
+from . import diffgraph, joint
+from ..execute import region_fn
+from ..graph import hooks
+from ... import native
+from ..compile.cache import Compiled, RegionCache, find, make_guard
+from ..execute.leaves import clone_obey_contract
+from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
 
@@ -120,7 +124,7 @@ def _compile_now(region, plan, S, T, I, dd, di, backend, order, family):
         f.requires_grad_(t.requires_grad)
     dyn_ints = sorted(di)
     present: list = []
-    pyfn = engine.make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
+    pyfn = region_fn.make_region_fn(region, plan, S, len(T), list(I), dyn_ints, present)
     fargs = list(fakes) + [ivals[j] for j in dyn_ints]
     label = f"{region.label} of {len(region.nodes)} autograd nodes, create_graph"
     fn = joint.no_alias(pyfn)  # (a grad passed through unchanged is one of the region's inputs)
@@ -149,7 +153,7 @@ def _compile_now(region, plan, S, T, I, dd, di, backend, order, family):
     return e
 
 
-_MAX_FAST = 4  # specialized gathers per region (see vjpgen.runtime.fastpath)
+_MAX_FAST = 4  # specialized gathers per region (see vjpgen.runtime.compile.fastpath)
 
 
 def _fast_lookup(region, plan, nodes, metas, buf):
@@ -201,7 +205,7 @@ def _remember(region, plan, nodes, metas, buf, S, rg, cache) -> None:
 
 
 class CreateGraph:
-    """The create_graph kind of region for the executor's one lookup (engine.run_region): one
+    """The create_graph kind of region for the executor's one lookup (lookup.run_region): one
     region cache per requires-grad pattern of the region's tensors, compiled entries that hold a
     :class:`DiffGraph` (traced like a first-order region, its family and derivative order
     recorded), called as a differentiable function whose grads are added into the buffer."""
@@ -227,7 +231,7 @@ class CreateGraph:
         order = _region_order(region, plan, nodes)
         fams = cache.families = getattr(cache, "families", None) or {}
         family = fams.setdefault(S, diffgraph.Family())  # (this region's function for S, any sizes)
-        with engine.gc_resumed():
+        with region_fn.gc_resumed():
             return _compile(region, plan, S, T, I, dd, di, backend, order, family)
 
     @staticmethod

@@ -1,6 +1,6 @@
 """Guards and the compiled-graph cache of one region.
 
-A region's inputs are flattened (see :func:`vjpgen.runtime.capture.flatten`) into
+A region's inputs are flattened (see :func:`vjpgen.runtime.compile.capture.flatten`) into
 
 * ``S``: the static part (node state that is not a tensor or a size, None-ness of grads, edge dtypes),
 * ``T``: the tensors (saved tensors and incoming grads),
@@ -93,7 +93,7 @@ class Compiled:
         # outputs checked against the input metadata eager's validate_outputs uses: None until the
         # first call, then False (they matched) or True (convert them on every call)
         self.conform = None
-        self.out_table = None  # engine.out_table: where each output goes (built on the first call)
+        self.out_table = None  # scatter.out_table: where each output goes (built on the first call)
         self.from_disk = False  # loaded from the on-disk cache (disk_cache.py): gm is None then
         self.fused_updated = frozenset()  # the sinks whose parameter the graph updates (fused_optim.py)
 
@@ -144,7 +144,7 @@ class RegionCache:
         """The entry tables of one static part ``S``: ``(by_ints, by_meta)``, where ``by_ints``
         maps ``tuple(I)`` to static entries ``[(tensor guard, Compiled)]`` and ``by_meta`` maps
         ``(dtype/device/rank of T, len(I))`` to dynamic entries ``[Compiled]``. The specialized
-        gathers of :mod:`vjpgen.runtime.fastpath` keep them, so a hit never hashes ``S``."""
+        gathers of :mod:`vjpgen.runtime.compile.fastpath` keep them, so a hit never hashes ``S``."""
         t = self.by_S.get(S)
         if t is None:
             t = self.by_S[S] = ({}, {})

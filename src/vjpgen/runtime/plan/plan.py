@@ -19,9 +19,10 @@ from types import MappingProxyType
 
 import torch
 
-from . import capture, decide, kernels
-from .cache import RegionCache
-from .release import raw_saved_names
+from ..compile import capture
+from . import decide, kernels
+from ..compile.cache import RegionCache
+from ..graph.release import raw_saved_names
 
 log = logging.getLogger("vjpgen")
 
@@ -152,7 +153,7 @@ for _cls in (NodeInfo, Region, Plan):
 
 
 class RegionLearned:
-    """What running one region learns; owners: the executor (engine.FirstOrder: ``cache``;
+    """What running one region learns; owners: the executor (first_order.FirstOrder: ``cache``;
     fastpath: ``fast``, ``fast_keys``) and fused_optim (``fused_caches``, ``fused_fast``)."""
 
     __slots__ = ("cache", "fast", "fast_keys", "fused_caches", "fused_fast")
@@ -227,7 +228,7 @@ def _thawed(obj):
 
 def _module_for(info: NodeInfo):
     """The module a node's kernel comes from (None for AccumulateGrad and when there is none);
-    whether it is used is :mod:`vjpgen.runtime.decide`'s to say."""
+    whether it is used is :mod:`vjpgen.runtime.plan.decide`'s to say."""
     if info.is_acc:
         return None
     if info.pyfunc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .protocols import RegionKind
+    from ..protocols import RegionKind
 
 
 class CallContext:
@@ -23,9 +23,9 @@ class CallContext:
         self.acc_final = None  # the acc sinks left for accumulate_leaves (set by execute)
         # the kind of region (a protocols.RegionKind: how a region finds, compiles and calls its
         # graph) and the leaf sink of
-        # this call's order: engine.FirstOrder and leaves.accumulate_leaves at first order,
+        # this call's order: first_order.FirstOrder and leaves.accumulate_leaves at first order,
         # higher_order's differentiable ones with create_graph (the executor, lookup and miss
-        # path, engine.execute and engine.run_region, are the same)
+        # path, executor.execute and lookup.run_region, are the same)
         self.kind = kind
         self.sink = sink
         self.create_graph = create_graph

@@ -39,8 +39,8 @@ import weakref
 import torch
 from torch.optim import adam as _adam, sgd as _sgd
 
-from .cache import RegionCache
-from .stats import STATS
+from ..compile.cache import RegionCache
+from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
 
@@ -169,7 +169,7 @@ class Fuse:
         weight's own backward node, usually), so its grad dies there, and every read of the
         parameter in the backward sees the value from before the step, as eager's step after the
         backward. ``T`` and ``I``: the region's real inputs (the emission points are read from them)."""
-        from .engine import make_region_fn
+        from ..execute.region_fn import make_region_fn
 
         kind = self.kind
         specs = self.specs
@@ -332,7 +332,7 @@ def _emission_points(region, plan, S, T, I, aliases: dict) -> dict:
     """Node index -> the fused slots whose update follows that node: after the later of the last
     node producing the slot's grad and the last node reading a saved tensor that shares storage
     with its parameter (``aliases``: slot -> the positions in ``T`` of those tensors)."""
-    from .engine import region_state
+    from ..execute.region_key import region_state
 
     at = {t_id: k for k, t_id in enumerate(id(t) for t in T)}
     last: dict = {}
@@ -455,7 +455,7 @@ class _Template:
             r = _group_reason(kind, group)
             for p in group["params"]:
                 group_of[id(p)] = (gi, r)
-        from .plan import Region
+        from ..plan.plan import Region
 
         n_acc = len(plan.acc_sinks)
         sinks = [(s, var) for (_, s), var in zip(plan.acc_sinks, leaves) if id(var) in group_of]
@@ -663,7 +663,7 @@ class FusedCall:
         return f
 
     def region_kind(self, base):
-        """The region kind of this call: ``base`` (``engine.FirstOrder``) for the regions without a
+        """The region kind of this call: ``base`` (``first_order.FirstOrder``) for the regions without a
         fused parameter, the fused trace and call for the others."""
         return _FusedKind(self, base)
 
@@ -712,7 +712,7 @@ def _init_state(kind, group, p, state) -> None:
 
 
 class _FusedKind:
-    """The region kind of a call with a fused optimizer (the executor's lookup, engine.run_region):
+    """The region kind of a call with a fused optimizer (the executor's lookup, lookup.run_region):
     the base kind for regions without a fused parameter; for the others their own specialized
     gathers and a region cache per fused signature, the region traced with its updates, and a call
     that passes the parameters and state after the region's tensors."""
@@ -731,8 +731,8 @@ class _FusedKind:
         f = self._fuse(region)
         if f is None:
             return self.base.fast(region, plan, nodes, metas, buf)
-        from . import fastpath
-        from .cache import find
+        from ..compile import fastpath
+        from ..compile.cache import find
 
         specs = plan.learned.regions[region.index].fused_fast.get(f.key)
         if not specs:
@@ -761,7 +761,7 @@ class _FusedKind:
         f = self._fuse(region)
         if f is None:
             return self.base.compile(region, plan, nodes, S, T, I, dd, di, backend, lT, lI, cache)
-        from .engine import compile_region
+        from ..execute.region_fn import compile_region
 
         c = compile_region(region, plan, S, T, I, dd, di, backend, lT, lI, fuse=f)
         c.fused_updated = frozenset(f.updated)
@@ -772,7 +772,7 @@ class _FusedKind:
         if f is None:
             self.base.remember(region, plan, nodes, metas, buf, S, T, cache, hit)
             return
-        from . import fastpath
+        from ..compile import fastpath
 
         if not hit and region.saved_hooks:
             return
@@ -787,7 +787,7 @@ class _FusedKind:
         f = self._fuse(region)
         if f is None:
             return self.base.call(region, plan, compiled, T, I, metas, buf, ctx)
-        from .engine import call_and_scatter
+        from ..execute.scatter import call_and_scatter
 
         # (detached as traced: AOTAutograd's runtime check of aliased inputs (a saved tensor that is
         # a fused parameter or a view of it) raises on torch 2.12 when one of them requires grad.

@@ -1,7 +1,7 @@
 """The on-disk cache of compiled regions: a second process running the same training script skips
 the trace and the compile of every region it met before.
 
-The in-process cache (:mod:`vjpgen.runtime.cache`) keys a region's compiled graph on its flattened
+The in-process cache (:mod:`vjpgen.runtime.compile.cache`) keys a region's compiled graph on its flattened
 inputs ``(S, T, I)``. This one writes, for a first-order region compiled by Inductor, the module
 Inductor generated (its Python source, which holds the C++ kernels' source too; Inductor's own
 cache keeps the libraries it builds from them, keyed by that source) with what vjpgen needs around

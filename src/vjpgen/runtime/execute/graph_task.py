@@ -155,7 +155,7 @@ def execution_oracle(plan, nodes, targets, accumulate: bool):
 
     def will_execute(node) -> bool:
         if not box:
-            from .walk import as_list
+            from ..graph.walk import as_list
             box.append({id(n): i for i, n in enumerate(as_list(nodes))})
             box.append(set(plan.order))
             box.append({t[0] for t in (targets or ()) if t is not None})

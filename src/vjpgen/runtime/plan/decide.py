@@ -1,6 +1,6 @@
 """How each node of a backward graph runs: compiled, or live with a reason — decided here alone.
 
-When a graph structure is first planned (:func:`vjpgen.runtime.plan.build_plan`), :data:`RULES` —
+When a graph structure is first planned (:func:`vjpgen.runtime.plan.plan.build_plan`), :data:`RULES` —
 an ordered table, the first rule that gives a reason wins — decides for every node either
 "compiled" (traced from its generated kernel into a region) or "live: reason" (the node runs as the
 engine would run it, at a graph break counted in ``stats()``). Execution reads that plan; what can
@@ -26,7 +26,7 @@ hooks                it has hooks (tensor or node, Python or C++; a leaf's are r
                      engine's order by a live AccumulateGrad)
 custom Function      it is an ``autograd.Function`` whose backward cannot be traced (no
                      backward of its own, a ctx that holds objects) or may have Python side
-                     effects (runtime/purity.py: a list appended to, a counter, logging, random
+                     effects (runtime/plan/purity.py: a list appended to, a counter, logging, random
                      numbers; ``vjpgen_pure = True`` on the Function says it has none)
 no module            no generated module exists for its class (or its release's verify pass
                      left it live)
@@ -39,11 +39,11 @@ sparse               it saves a sparse tensor, or its formula reads the layout o
 
 Saved tensors with unpack hooks (``torch.utils.checkpoint``, offloading) do not make a node live;
 they change when its saved values are read: never at plan time, regions cut between hook groups
-(one checkpoint block each, :func:`vjpgen.runtime.plan.segments`), inside the engine's graph task,
+(one checkpoint block each, :func:`vjpgen.runtime.plan.plan.segments`), inside the engine's graph task,
 once (see docs/saved-state.md).
 
 Complex views (``view_as_complex`` / ``view_as_real`` saved by rotary embeddings) are compiled:
-:func:`vjpgen.runtime.capture.fakeify` builds their fake tensors from a non-view alias.
+:func:`vjpgen.runtime.compile.capture.fakeify` builds their fake tensors from a non-view alias.
 """
 
 from __future__ import annotations
@@ -53,10 +53,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import custom_function, sparse
-from . import saved as _saved
-from .walk import NativeHooks
-from .stats import record_break
+from . import custom_function
+from ..graph import sparse
+from ..graph import saved as _saved
+from ..graph.walk import NativeHooks
+from ..stats import record_break
 
 log = logging.getLogger("vjpgen")
 

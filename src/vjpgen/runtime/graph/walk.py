@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from . import hooks
-from .. import native
+from ... import native
 
 
 def collect(root_edges, check_tensor_hooks: bool, check_node_hooks: bool):
@@ -104,7 +104,7 @@ def find_hooks(nodes, check_tensor_hooks: bool, check_node_hooks: bool) -> dict:
     With the native helper every hook the engine would run is seen, C++ ones (DDP's reducer on
     AccumulateGrad) and those registered before vjpgen was imported included
     (:class:`NativeHooks`); without it, the Python-registered hooks that
-    :mod:`vjpgen.runtime.hooks` tracked (:class:`vjpgen.runtime.hooks.NodeHooks`)."""
+    :mod:`vjpgen.runtime.graph.hooks` tracked (:class:`vjpgen.runtime.graph.hooks.NodeHooks`)."""
     nat = native.module()
     if nat is not None:
         return {i: NativeHooks(f) for i, f in nat.hook_flags(nodes).items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import native
+from ... import native
 
 _BackwardCFunction = torch.autograd.function.BackwardCFunction
 

@@ -17,7 +17,7 @@ A new plan marks the nodes with sparse saved values or a sparse layout-read leaf
 call (:func:`plan_reasons`). On later calls the first three are seen in the tensors a region
 flattens: dynamo's tensor guards of a compiled graph check dispatch keys, so a sparse tensor where
 a dense one was compiled misses the cache and reaches the general path, which calls
-:func:`vjpgen.runtime.decide.region_reasons` before it traces. Marking is sticky: a later call of the same structure with
+:func:`vjpgen.runtime.plan.decide.region_reasons` before it traces. Marking is sticky: a later call of the same structure with
 dense tensors still runs that node live (the same grads, only not compiled).
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import native
+from ... import native
 from . import saved as _saved
 
 SPARSE_LAYOUTS = frozenset(

@@ -4,14 +4,14 @@ Dynamo captures the graphs (guards, graph breaks, recompiles: all dynamo's). For
 inputs require grad, this backend
 
 1. fakeifies the inputs in dynamo's fake mode (its ShapeEnv: dynamic sizes stay symbolic);
-2. traces the joint (runtime/joint.py): the graph functionalized and decomposed to aten, its
+2. traces the joint (runtime/orders/joint.py): the graph functionalized and decomposed to aten, its
    backward built from vjpgen's generated kernels through the one executor (not from torch's C++
    nodes); ``torch.autograd.grad`` calls dynamo kept in the graph are expanded the same way;
 3. splits it with torch's partitioner (min-cut rematerialization for Inductor, as torch.compile)
    and compiles forward and backward with the inner compiler (Inductor by default);
 4. runs them as one node of the autograd graph whose backward is differentiable: under
    ``create_graph`` it calls the graph of the vjp, compiled on first use, so every order is
-   compiled. Steps 2-4 are :class:`vjpgen.runtime.diffgraph.CompiledGraph`, the one higher-order
+   compiled. Steps 2-4 are :class:`vjpgen.runtime.orders.diffgraph.CompiledGraph`, the one higher-order
    mechanism (the runtime's create_graph regions use it too).
 
 A graph no input of which requires grad is compiled by the inner compiler alone (no backward to
@@ -28,10 +28,13 @@ import logging
 
 import torch
 
-from . import capture, decide, joint, kernels, torchscript
-from .diffgraph import CompiledGraph
-from .diffgraph import record_fallback as _record
-from .stats import STATS
+from ..compile import capture
+from ..plan import decide, kernels
+from ..orders import joint
+from . import torchscript
+from ..orders.diffgraph import CompiledGraph
+from ..orders.diffgraph import record_fallback as _record
+from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
 
@@ -216,7 +219,7 @@ def _inner_backend(opts):
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        from . import inductor_fixes
+        from ..compile import inductor_fixes
 
         # with vjpgen's workarounds for Inductor miscompiles (the lazily compiled backward too:
         # they wrap the inner compile)

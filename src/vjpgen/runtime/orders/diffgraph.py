@@ -1,14 +1,14 @@
 """A compiled function whose backward is compiled and itself differentiable, to any order: the one
 higher-order mechanism of vjpgen. The ``vjpgen`` torch.compile backend builds one per dynamo graph
-(:mod:`vjpgen.runtime.dynamo_backend`); the runtime's ``create_graph`` backward builds one per
-compiled region (:mod:`vjpgen.runtime.higher_order`).
+(:mod:`vjpgen.runtime.integrations.dynamo_backend`); the runtime's ``create_graph`` backward builds one per
+compiled region (:mod:`vjpgen.runtime.orders.higher_order`).
 
-A :class:`CompiledGraph` is traced from a Python function over fake tensors (runtime/joint.py):
+A :class:`CompiledGraph` is traced from a Python function over fake tensors (runtime/orders/joint.py):
 the function functionalized and decomposed to aten, its backward built from vjpgen's generated
 kernels through the one executor, partitioned with torch's partitioner (min-cut for Inductor) and
 both halves compiled. It runs as one :class:`GraphFn` node of the autograd graph. Under
 ``create_graph`` that node's backward calls the graph of its vjp (:meth:`CompiledGraph.vjp_graph`:
-:func:`vjpgen.runtime.joint.vjp_fn` of the function, vjpgen's kernels again, traced, partitioned and
+:func:`vjpgen.runtime.orders.joint.vjp_fn` of the function, vjpgen's kernels again, traced, partitioned and
 compiled on first use), itself a CompiledGraph, so every order is compiled from vjpgen's kernels.
 
 One cache and retrace policy (per vjp: traced at the exact sizes first; once sizes change, once more
@@ -20,14 +20,14 @@ uncompiled: :class:`EagerVjp`, counted). Counters go to the dict the first graph
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
-from . import capture, decide, joint, kernels
-from .. import logs
-from .stats import STATS
+from ..compile import capture
+from ..plan import decide, kernels
+from . import joint, stages
+from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
 
@@ -38,23 +38,6 @@ log = logging.getLogger("vjpgen")
 # tracing and compiling it cost minutes, where running it uncompiled costs milliseconds
 VJP_GROWTH = 20
 MIN_VJP_OPS = 2000
-
-
-def _expanding(handler):
-    """``vjpgen.runtime.api.expanding``: a ``torch.autograd.grad`` inside a traced function goes to
-    ``handler``. The api module (the top layer) registers it at import (:func:`set_expanding`), so
-    imports run one way."""
-    if _EXPANDING is None:  # (the package's import registers it)
-        import vjpgen.runtime  # noqa: F401
-    return _EXPANDING(handler)
-
-
-_EXPANDING = None
-
-
-def set_expanding(cm) -> None:
-    global _EXPANDING
-    _EXPANDING = cm
 
 
 _SECOND_BACKWARD = (
@@ -72,36 +55,6 @@ def record_fallback(counters: dict, reason: str, order: int | None = None) -> No
     if order is not None and "eager_fallbacks" in counters:  # (the runtime's counters, per order)
         counters["eager_fallbacks"][order] += 1
     log.debug("vjpgen: %s", reason)
-
-
-def _decompositions(compiler: str):
-    if compiler == "inductor":
-        from torch._inductor.decomposition import select_decomp_table
-
-        return select_decomp_table()
-    return {}
-
-
-@contextlib.contextmanager
-def _own_tracing_context(fake_mode):
-    """The inner compiles of the forward and backward graphs in a tracing context of their own
-    (dynamo's fake mode, so its ShapeEnv: a size the compile specializes is guarded by dynamo):
-    what dynamo's context holds for the graph it hands the backend (DDPOptimizer's
-    ``fakify_first_call``, its AOTAutograd metadata) is not theirs. To DDPOptimizer they are not
-    an AOTAutograd call of its own (it would call the backend's function with fake tensors and
-    expect AOTAutograd's metadata): its count of those is left as it was."""
-    from torch._dynamo.utils import counters
-
-    before = counters["aot_autograd"]["total"]
-    try:
-        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-            yield
-    finally:
-        counters["aot_autograd"]["total"] = before
-
-
-def _placeholder_vals(gm) -> list:
-    return [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
 
 
 class Family:
@@ -126,7 +79,7 @@ class CompiledGraph:
     """A function compiled with a backward built from vjpgen's kernels (see the module docstring).
 
     ``fn``: the Python function it was traced from (dynamo's graph at order 1; at order k + 1 the
-    vjp of the order-k function, :func:`vjpgen.runtime.joint.vjp_fn`), which the next order's
+    vjp of the order-k function, :func:`vjpgen.runtime.orders.joint.vjp_fn`), which the next order's
     joint is traced from."""
 
     def __init__(self, fn, meta, fw, bw, bw_args, n_saved, order, compiler, label, fw_gm, bw_gm, counters):
@@ -147,71 +100,52 @@ class CompiledGraph:
     @classmethod
     def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str, patches=None, counters=None,
               family=None, max_ops=None):
-        """Trace, partition and compile; None when no output requires grad. ``patches``: Inductor
-        settings (from ``torch.compile``'s ``mode``); ``counters``: the stats() dict it counts into
-        (the backend's by default); ``family``: the :class:`Family` of the function (a new one by
-        default); ``max_ops``: :class:`joint.TooLarge` when the function runs more aten ops."""
+        """Build the graph through :mod:`.stages` (analyse, trace, partition, compile); None when no
+        output requires grad. ``patches``: Inductor settings (from ``torch.compile``'s ``mode``);
+        ``counters``: the stats() dict it counts into (the backend's by default); ``family``: the
+        :class:`Family` of the function (a new one by default); ``max_ops``: :class:`joint.TooLarge`
+        when the function runs more aten ops."""
         if counters is None:
             counters = STATS.backend
-        joint.prepare()
-        # a torch.autograd.grad inside the graph (dynamo's trace_autograd_ops; every vjp graph)
-        # is expanded with vjpgen's kernels while tracing
-        with _expanding(joint.engine_call):
-            meta = joint.analyze(fn, fakes, fake_mode, max_ops)
+        meta = stages.analyse(fn, fakes, fake_mode, max_ops)
         if not meta.diff_outputs:
             return None
         with capture.LOCK:
-            with _expanding(joint.engine_call):
-                gm = joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
-            deps = capture.output_deps(gm)
-            fw_gm, bw_gm = joint.partition(gm, meta, compiler)
-            n_fw = meta.num_fwd_outputs
-            fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
-            pos = {}  # the partitioner names a saved value's backward placeholder after its node
-            for k, a in enumerate(fw_out[n_fw:]):
-                if isinstance(a, torch.fx.Node):
-                    pos.setdefault(a.name, k)
-            if meta.mutated:
-                joint.save_old_values(fw_gm, n_fw, meta.mutated)
-            bw_args = []
-            for p in bw_gm.graph.find_nodes(op="placeholder"):
-                if p.name.startswith("tangents_"):  # tangents_<k>: the k-th (from 1) differentiable output's
-                    bw_args.append(("tangent", int(p.name.rsplit("_", 1)[1]) - 1))
-                elif p.name in pos:
-                    bw_args.append(("saved", pos[p.name]))
-                else:
-                    raise joint.Unsupported(f"the partitioned backward reads {p.name}, which the forward does not save")
-            what = f"{label} (order {order})"
-            with _own_tracing_context(fake_mode), logs.progress(
-                    f"compiling the forward and backward of a {what} with {compiler}"):
-                fw = capture.compile_graph(fw_gm, list(fakes), compiler, f"the forward of {what}", patches)
-                bw = capture.compile_graph(bw_gm, _placeholder_vals(bw_gm), compiler, f"the backward of {what}",
-                                           patches)
+            gm = stages.trace(fn, fakes, fake_mode, meta, compiler)
+            halves = stages.partition(gm, meta, compiler)
+            fw, bw = stages.compile_halves(halves, fakes, fake_mode, compiler, f"{label} (order {order})", patches)
         counters["compiles"][order] += 1
-        cg = cls(fn, meta, fw, bw, tuple(bw_args), len(fw_out) - n_fw, order, compiler, label, fw_gm, bw_gm, counters)
+        cg = cls(fn, meta, fw, bw, halves.bw_args, len(halves.saved), order, compiler, label, halves.fw_gm,
+                 halves.bw_gm, counters)
         cg.family = family if family is not None else Family()
         cg.patches = patches
+        cg._describe(fakes, halves)
+        return cg
+
+    def _describe(self, fakes, halves) -> None:
+        """What the calls of this graph and of its vjps need to know of it."""
+        meta = self.meta
         # per argument of a vjp of this graph (its inputs, then its differentiable outputs'
         # tangents): the dimensions that are symbolic here (a vjp of a dynamic graph is dynamic
         # in the same dimensions from its first trace)
         arg_vals = [*fakes, *[meta.out_fakes[j] for j in meta.diff_outputs]]
-        cg.sym_dims = tuple(
+        self.sym_dims = tuple(
             frozenset(d for d, n in enumerate(v.shape) if not isinstance(n, int)) if isinstance(v, torch.Tensor)
             else (not isinstance(v, int)) for v in arg_vals)
-        cg.saved_kinds = tuple(isinstance(a.meta.get("val"), torch.Tensor) for a in fw_out[n_fw:])
+        self.saved_kinds = tuple(isinstance(a.meta.get("val"), torch.Tensor) for a in halves.saved)
         # the inputs the backward reads as they are (saved by the forward unchanged): their versions
         # are checked at the backward, as eager checks a saved input's (a compiled forward may
         # return an input as a new tensor over its storage, whose version counter is its own)
-        fw_ph = {p: i for i, p in enumerate(fw_gm.graph.find_nodes(op="placeholder"))}
-        read = {k for kind, k in cg.bw_args if kind == "saved"}
-        cg.saved_inputs = tuple(sorted({fw_ph[a] for k, a in enumerate(fw_out[n_fw:])
-                                        if k in read and a in fw_ph and cg.saved_kinds[k]}))
+        fw_ph = {p: i for i, p in enumerate(halves.fw_gm.graph.find_nodes(op="placeholder"))}
+        read = {k for kind, k in self.bw_args if kind == "saved"}
+        self.saved_inputs = tuple(sorted({fw_ph[a] for k, a in enumerate(halves.saved)
+                                          if k in read and a in fw_ph and self.saved_kinds[k]}))
         n = meta.n_inputs
+        n_fw = meta.num_fwd_outputs
         # per output: the inputs it depends on; per grad: the tangents it depends on (a grad that
         # depends only on tangents that are undefined on a call is undefined, as in eager)
-        cg.fw_deps = tuple(deps[:len(meta.out_kinds)])
-        cg.bw_deps = tuple(frozenset(t - n for t in d if t >= n) for d in deps[n_fw:n_fw + n])
-        return cg
+        self.fw_deps = tuple(halves.deps[:len(meta.out_kinds)])
+        self.bw_deps = tuple(frozenset(t - n for t in d if t >= n) for d in halves.deps[n_fw:n_fw + n])
 
     def __eq__(self, other):
         return isinstance(other, CompiledGraph) and other.family is self.family
@@ -307,7 +241,7 @@ class CompiledGraph:
                     if dims:
                         dd[k] = dims
                 di = {j for j, (a, b) in enumerate(zip(exact[1], first[1])) if a != b or i_dyn[j]}
-            from .cache import make_guard
+            from ..compile.cache import make_guard
 
             tfakes, ivals, shape_env, fake_mode = capture.fakeify(tensors, ints, dd, di)
             it_t, it_i = iter(tfakes), iter(ivals)
@@ -586,11 +520,11 @@ def _undefine(grads: list, deps, gouts, diff_outputs, offset: int) -> None:
 
 class GraphFnModule:
     """The generated-module interface of :class:`GraphFn`'s node (the ``KernelModule`` contract of
-    vjpgen.runtime.kernels), so a later backward through a compiled graph's outputs under
+    vjpgen.runtime.plan.kernels), so a later backward through a compiled graph's outputs under
     ``compiled_autograd()`` / ``vjpgen.runtime.grad`` traces the node into its region with the rest
     of its nodes: at first order the graph's partitioned backward (aten ops, on the forward's saved
     values); under ``create_graph`` (a region traced in grad mode) the vjp of the graph's function
-    on its inputs, vjpgen's kernels again (:func:`vjpgen.runtime.joint.vjp_fn`), so the grads keep
+    on its inputs, vjpgen's kernels again (:func:`vjpgen.runtime.orders.joint.vjp_fn`), so the grads keep
     their history to the inputs."""
 
     NAME = "GraphFnBackward"

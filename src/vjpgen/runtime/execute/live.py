@@ -10,13 +10,15 @@ import logging
 
 import torch
 
-from . import capture, decide, hooks
-from .. import native
-from . import saved as _saved
-from .plan import Plan
-from .release import release_nodes
-from .stats import STATS
-from .walk import NativeHooks
+from ..compile import capture
+from ..plan import decide
+from ..graph import hooks
+from ... import native
+from ..graph import saved as _saved
+from ..plan.plan import Plan
+from ..graph.release import release_nodes
+from ..stats import STATS
+from ..graph.walk import NativeHooks
 
 if TYPE_CHECKING:
     from .call_context import CallContext

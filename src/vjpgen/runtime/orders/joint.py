@@ -1,10 +1,10 @@
 """The backward of a traced function built from vjpgen's kernels: the joint graph of the
-``vjpgen`` torch.compile backend (:mod:`vjpgen.runtime.dynamo_backend`), every order.
+``vjpgen`` torch.compile backend (:mod:`vjpgen.runtime.integrations.dynamo_backend`), every order.
 
 A joint is traced with make_fx over functional fake tensors, as AOTAutograd traces its joint: the
 function runs with autograd recording (torch's C++ nodes, on the traced tensors), then, where
 AOTAutograd calls ``torch.autograd.grad`` and so traces the C++ nodes' formulas, :func:`grad_inline`
-runs the recorded graph through vjpgen's one executor (:func:`vjpgen.runtime.engine.execute`: the
+runs the recorded graph through vjpgen's one executor (:func:`vjpgen.runtime.execute.executor.execute`: the
 same walk, plan and region function as every runtime backward) with the :class:`Inline` region
 kind: a region's generated kernels are called on the traced tensors themselves, so their aten ops
 land in the joint, tagged with their node class. Nothing is compiled here.
@@ -26,12 +26,13 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import engine, graph_task, leaves, walk
-from .. import native
-from . import saved as _saved
-from . import plan as plan_mod
-from .call_context import CallContext
-from .stats import STATS
+from ..execute import executor, graph_task, leaves, region_fn, region_key, scatter
+from ..graph import walk
+from ... import native
+from ..graph import saved as _saved
+from ..plan import plan as plan_mod
+from ..execute.call_context import CallContext
+from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
 
@@ -62,32 +63,32 @@ class _InlineEntry:
 
 class Inline:
     """The region kind of a joint trace (see the module docstring): no cache and no compile, the
-    region's function (``engine.make_region_fn``, the one every compiled region is traced from)
+    region's function (``region_fn.make_region_fn``, the one every compiled region is traced from)
     called on the region's tensors, its grads scattered into the buffer as a compiled region's."""
 
     counts_hits = False  # not a cache hit: stats() counts the runtime's regions only
 
     @staticmethod
     def fast(region, plan, nodes, metas, buf):
-        S, T, I, _, _, _ = engine.gather(region, plan, nodes, metas, buf)
+        S, T, I, _, _, _ = region_key.gather(region, plan, nodes, metas, buf)
         return _InlineEntry(S), T, I
 
     @staticmethod
     def call(region, plan, entry, T, I, metas, buf, ctx) -> None:
         present: list = []
-        fn = engine.make_region_fn(region, plan, entry.S, len(T), list(I), (), present)
+        fn = region_fn.make_region_fn(region, plan, entry.S, len(T), list(I), (), present)
         outs = fn(*T)
         entry.present = present
         for s in region.drop_in:
             buf[s] = None
-        engine.scatter_outputs(outs, engine.out_table(region, entry), buf, ctx.protected)
+        scatter.scatter_outputs(outs, scatter.out_table(region, entry), buf, ctx.protected)
 
 
 def prepare() -> None:
     """What a trace must not do under its fake and functional modes, done before: this thread's
     graph-task carrier (real tensors), and the generated package's first load (for another torch
     release than the committed one it is generated and verified against live nodes then)."""
-    from . import kernels
+    from ..plan import kernels
 
     graph_task.prepare()
     kernels.get_module("MulBackward0")
@@ -156,7 +157,7 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
 
     def job():
         with torch.set_grad_enabled(create_graph), _no_autocast(), _saved.per_call():
-            buf = engine.execute(plan, nodes, metas, [g for _, g in pairs], ctx)
+            buf = executor.execute(plan, nodes, metas, [g for _, g in pairs], ctx)
             box.append(leaves.captured_grads(plan, nodes, buf, ctx))
 
     if saved_groups or live:

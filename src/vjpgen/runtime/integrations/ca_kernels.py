@@ -43,8 +43,8 @@ from collections import Counter
 import torch
 import torch.fx.traceback as fx_traceback
 
-from ..helpers.types import TensorGeometry, TensorOptions, TypeAndSize
-from .call_context import context_factory
+from ...helpers.types import TensorGeometry, TensorOptions, TypeAndSize
+from ..execute.call_context import context_factory
 
 log = logging.getLogger("vjpgen")
 
@@ -206,7 +206,7 @@ def _note(kind: str, name: str, why: str) -> None:
 
 
 def _module_for(name: str):
-    from .kernels import get_module
+    from ..plan.kernels import get_module
 
     # get_module serves the selected override package first (use_kernels), then the package of the
     # installed torch release (a regenerated one when that is not generated/'s release), and None
@@ -223,7 +223,7 @@ def _opaque_op(name: str, mod):
     """``ops.vjpgen_<name>``: the vjpgen kernel as one allow-in-graph call (packed args converted)."""
     from torch._dynamo.compiled_autograd import ops
 
-    from .kernels import token
+    from ..plan.kernels import token
 
     # one op per kernel selection: an op binds its module, so another selection gets another op
     op_name = f"vjpgen_{name}" if token() == 0 else f"vjpgen_k{token()}_{name}"
@@ -278,7 +278,7 @@ def _tagged_validate_op():
     the aten ops it adds (a ``sum_to`` of a broadcast grad, a dtype cast) tagged like the kernel's."""
     from torch._dynamo.compiled_autograd import ops
 
-    from .kernels import OverrideGradError, get_module, is_override, source_of
+    from ..plan.kernels import OverrideGradError, get_module, is_override, source_of
 
     op_name = "vjpgen_validate_outputs"
     if not hasattr(ops, op_name):
@@ -365,7 +365,7 @@ def _kernels_changed() -> None:
         torch._C._dynamo.compiled_autograd.clear_cache()
 
 
-from . import kernels as _kernels  # noqa: E402
+from ..plan import kernels as _kernels  # noqa: E402
 
 _kernels.on_change(_kernels_changed)
 
@@ -499,7 +499,7 @@ def recording_backend(backend: str, graphs: list):
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        from . import inductor_fixes
+        from ..compile import inductor_fixes
 
         def inner(gm, example_inputs, *args, **kwargs):
             graphs.append(gm)

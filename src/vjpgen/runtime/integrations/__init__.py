@@ -1,0 +1,2 @@
+"""What plugs vjpgen into torch: the ``vjpgen`` torch.compile backend, compiled autograd's kernels, the
+fused optimizer step, TorchScript's per-op nodes."""

@@ -1,0 +1,134 @@
+"""The stages that build a :class:`~vjpgen.runtime.orders.diffgraph.CompiledGraph`, in order:
+
+1. :func:`analyse`: run the function once over fake tensors (``joint.analyze``): its outputs,
+   which are differentiable, which inputs it mutates; a ``torch.autograd.grad`` inside it is
+   expanded with vjpgen's kernels.
+2. :func:`trace`: the joint of forward and backward, the backward from vjpgen's generated kernels
+   through the one executor (``joint.trace_joint``), decomposed for the compiler.
+3. :func:`partition`: forward and backward halves (torch's partitioner, min-cut for Inductor), and
+   what the backward reads: each of its placeholders a saved value or a tangent.
+4. :func:`compile_halves`: both halves compiled (Inductor or another backend), in a tracing
+   context of their own.
+
+``CompiledGraph.build`` runs them and describes the result for its calls; every order's graph is
+built by these four functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+
+from ... import logs
+from ..compile import capture
+from . import joint
+
+
+def _expanding(handler):
+    """``vjpgen.runtime.api.expanding``: a ``torch.autograd.grad`` inside a traced function goes to
+    ``handler``. The api module (the top layer) registers it at import (:func:`set_expanding`), so
+    imports run one way (importing any runtime module imports the package, and with it the api)."""
+    return _EXPANDING(handler)
+
+
+_EXPANDING = None
+
+
+def set_expanding(cm) -> None:
+    global _EXPANDING
+    _EXPANDING = cm
+
+
+def _decompositions(compiler: str):
+    if compiler == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+
+        return select_decomp_table()
+    return {}
+
+
+@contextlib.contextmanager
+def _own_tracing_context(fake_mode):
+    """The inner compiles of the forward and backward graphs in a tracing context of their own
+    (dynamo's fake mode, so its ShapeEnv: a size the compile specializes is guarded by dynamo):
+    what dynamo's context holds for the graph it hands the backend (DDPOptimizer's
+    ``fakify_first_call``, its AOTAutograd metadata) is not theirs. To DDPOptimizer they are not
+    an AOTAutograd call of its own (it would call the backend's function with fake tensors and
+    expect AOTAutograd's metadata): its count of those is left as it was."""
+    from torch._dynamo.utils import counters
+
+    before = counters["aot_autograd"]["total"]
+    try:
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            yield
+    finally:
+        counters["aot_autograd"]["total"] = before
+
+
+def placeholder_vals(gm) -> list:
+    return [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def analyse(fn, fakes, fake_mode, max_ops=None):
+    """Stage 1: ``joint.analyze`` of ``fn`` (its outputs, their differentiability, mutated inputs);
+    :class:`joint.TooLarge` when it runs more than ``max_ops`` aten ops."""
+    joint.prepare()
+    # a torch.autograd.grad inside the graph (dynamo's trace_autograd_ops; every vjp graph)
+    # is expanded with vjpgen's kernels while tracing
+    with _expanding(joint.engine_call):
+        return joint.analyze(fn, fakes, fake_mode, max_ops)
+
+
+def trace(fn, fakes, fake_mode, meta, compiler: str) -> torch.fx.GraphModule:
+    """Stage 2: the joint graph (forward, then the backward from vjpgen's kernels), decomposed for
+    ``compiler``. Called under ``capture.LOCK``."""
+    with _expanding(joint.engine_call):
+        return joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
+
+
+class Halves(NamedTuple):
+    """The partitioned joint: ``fw_gm`` returns the outputs, the mutated inputs' new values, then
+    the saved values (``saved``: their nodes); ``bw_gm`` reads, per placeholder, ``("saved", k)``
+    or ``("tangent", j)`` (``bw_args``); ``deps``: per joint output, the joint inputs it depends on."""
+
+    fw_gm: torch.fx.GraphModule
+    bw_gm: torch.fx.GraphModule
+    bw_args: tuple
+    saved: tuple
+    deps: tuple
+
+
+def partition(gm, meta, compiler: str) -> Halves:
+    """Stage 3: forward and backward of the joint ``gm``, and where each backward input comes from."""
+    deps = capture.output_deps(gm)
+    fw_gm, bw_gm = joint.partition(gm, meta, compiler)
+    n_fw = meta.num_fwd_outputs
+    fw_out = next(iter(fw_gm.graph.find_nodes(op="output"))).args[0]
+    pos = {}  # the partitioner names a saved value's backward placeholder after its node
+    for k, a in enumerate(fw_out[n_fw:]):
+        if isinstance(a, torch.fx.Node):
+            pos.setdefault(a.name, k)
+    if meta.mutated:
+        joint.save_old_values(fw_gm, n_fw, meta.mutated)
+    bw_args = []
+    for p in bw_gm.graph.find_nodes(op="placeholder"):
+        if p.name.startswith("tangents_"):  # tangents_<k>: the k-th (from 1) differentiable output's
+            bw_args.append(("tangent", int(p.name.rsplit("_", 1)[1]) - 1))
+        elif p.name in pos:
+            bw_args.append(("saved", pos[p.name]))
+        else:
+            raise joint.Unsupported(f"the partitioned backward reads {p.name}, which the forward does not save")
+    return Halves(fw_gm, bw_gm, tuple(bw_args), tuple(fw_out[n_fw:]), tuple(deps))
+
+
+def compile_halves(halves: Halves, fakes, fake_mode, compiler: str, what: str, patches=None):
+    """Stage 4: (forward, backward) compiled with ``compiler`` (boxed callables); ``patches``:
+    Inductor settings. Called under ``capture.LOCK``."""
+    with _own_tracing_context(fake_mode), logs.progress(
+            f"compiling the forward and backward of a {what} with {compiler}"):
+        fw = capture.compile_graph(halves.fw_gm, list(fakes), compiler, f"the forward of {what}", patches)
+        bw = capture.compile_graph(halves.bw_gm, placeholder_vals(halves.bw_gm), compiler,
+                                   f"the backward of {what}", patches)
+    return fw, bw
