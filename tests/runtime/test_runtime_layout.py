@@ -155,3 +155,33 @@ def test_the_check_finds_an_upward_import(tmp_path, monkeypatch):
     assert _upward(bad) == ["runtime/graph/walk2.py:1: imports runtime.execute (a later stage)",
                             "runtime/graph/walk2.py:5: imports runtime.api (a later stage)"]
     assert _upward(ok) == ["helpers/state2.py:1: imports native (a later stage)"]
+
+
+def _marks_live(path: Path) -> list[str]:
+    """Where ``path`` decides that a node runs live: writes a ``.live`` attribute (a plan node's
+    mode) other than initialising it to None, writes into a ``breaks`` mapping (a call's run-time
+    breaks), or records a graph break in the stats."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr == "live" and not (
+                    isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value is None):
+                out.append(f"{path.name}:{node.lineno}: sets .live")
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == "breaks":
+                out.append(f"{path.name}:{node.lineno}: writes .breaks[...]")
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name == "record_break":
+                out.append(f"{path.name}:{node.lineno}: calls record_break")
+    return out
+
+
+def test_decide_is_the_only_module_that_marks_a_node_live():
+    decide = RUNTIME / "plan" / "decide.py"
+    assert _marks_live(decide), "the check finds nothing in decide.py itself: it no longer looks at the right thing"
+    found = [f for p in _runtime_files() if p != decide for f in _marks_live(p)]
+    assert not found, "a node marked live outside decide.py (add a rule or call decide there):\n" + "\n".join(found)
