@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import threading
@@ -184,10 +183,7 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     triggers made the per-node cost grow with the graph."""
     depth = getattr(_local, "run_depth", 0)  # (a live node's backward inside this one: depth 1)
     _local.run_depth = depth + 1
-    pause = gc.isenabled()
-    if pause:
-        gc.disable()
-        region_fn.GC_PAUSED = True
+    paused = region_fn.pause_gc()
     memo = _saved.begin()  # each node's saved values are read once (saved-tensor hooks)
     try:
         res = _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow_unused,
@@ -195,9 +191,7 @@ def _run(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, allow
     finally:
         _saved.end(memo)
         _local.run_depth = depth
-        if pause:
-            region_fn.GC_PAUSED = False
-            gc.enable()
+        region_fn.resume_gc(paused)
     if accumulate and depth == 0:
         opt = _optimizer()
         if opt is not None:  # compiled_autograd(optimizer=...): then opt.step(), opt.zero_grad()

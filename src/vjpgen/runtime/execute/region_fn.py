@@ -17,7 +17,27 @@ from .region_key import NodeTraceError, region_state
 
 log = logging.getLogger("vjpgen")
 
-GC_PAUSED = False  # set by the API while it pauses the cyclic GC for a backward call
+GC_PAUSED = False  # while the API's backward call runs with the cyclic GC paused (pause_gc)
+
+
+def pause_gc() -> bool:
+    """Pause the cyclic GC for a backward call (the API's); True when it was running, and then
+    :func:`resume_gc` restarts it. A region that traces and compiles meanwhile resumes it
+    (:func:`gc_resumed`)."""
+    global GC_PAUSED
+    if not gc.isenabled():
+        return False
+    gc.disable()
+    GC_PAUSED = True
+    return True
+
+
+def resume_gc(paused: bool) -> None:
+    """End :func:`pause_gc`'s pause (``paused``: what it returned)."""
+    global GC_PAUSED
+    if paused:
+        GC_PAUSED = False
+        gc.enable()
 
 
 @contextlib.contextmanager
