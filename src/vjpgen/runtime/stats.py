@@ -56,6 +56,9 @@ class _Stats:
         self.backend = {
             "graphs": 0,  # graphs dynamo handed to the backend
             "inference_graphs": 0,  # of those, graphs with nothing to differentiate (inner compiler only)
+            # of those, graphs with no differentiable output that call torch.autograd.grad: their
+            # grads expanded with vjpgen's kernels, compiled as one graph (diffgraph.InferenceGraph)
+            "grad_inference_graphs": 0,
             "compiles": Counter(),  # order -> graphs compiled with a backward from vjpgen's kernels
             "fallbacks": 0,  # graphs handed to torch's AOTAutograd (vjpgen could not build the joint)
             "fallback_reasons": Counter(),  # "reason" for a graph, "order N: reason" for a vjp

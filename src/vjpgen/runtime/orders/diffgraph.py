@@ -26,7 +26,7 @@ import torch
 
 from ..compile import capture
 from ..plan import decide, kernels
-from . import joint, stages
+from . import joint, joint_passes, stages
 from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
@@ -99,16 +99,20 @@ class CompiledGraph:
 
     @classmethod
     def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str, patches=None, counters=None,
-              family=None, max_ops=None):
+              family=None, max_ops=None, inference=False):
         """Build the graph through :mod:`.stages` (analyse, trace, partition, compile); None when no
         output requires grad. ``patches``: Inductor settings (from ``torch.compile``'s ``mode``);
         ``counters``: the stats() dict it counts into (the backend's by default); ``family``: the
         :class:`Family` of the function (a new one by default); ``max_ops``: :class:`joint.TooLarge`
-        when the function runs more aten ops."""
+        when the function runs more aten ops. ``inference``: a function with no differentiable
+        output that calls ``torch.autograd.grad`` (forces at inference, a whole training step
+        returning detached values) is an :class:`InferenceGraph` instead of None."""
         if counters is None:
             counters = STATS.backend
         meta = stages.analyse(fn, fakes, fake_mode, max_ops)
         if not meta.diff_outputs:
+            if inference and meta.expanded:
+                return InferenceGraph.build(fn, fakes, fake_mode, meta, compiler, label, patches, counters)
             return None
         with capture.LOCK:
             gm = stages.trace(fn, fakes, fake_mode, meta, compiler)
@@ -275,6 +279,51 @@ class CompiledGraph:
             log.warning("vjpgen backend: %s; order %d of this graph runs uncompiled (please report it)", reason, order)
         record_fallback(self.counters, f"order {order}: {reason}", order)
         return EagerVjp(fn, reason)
+
+
+class InferenceGraph:
+    """A function with nothing to differentiate whose body differentiates: no output requires grad
+    (forces at inference, a whole training step that returns detached values and updates the
+    parameters under ``no_grad``), and its ``torch.autograd.grad`` calls (dynamo's
+    ``trace_autograd_ops``) are expanded with vjpgen's kernels, so the user's kernels and
+    overrides compute them, as in every other graph of the backend. Compiled as one graph; no
+    autograd node. Inputs it mutates get their new values after the call, as AOTAutograd's
+    inference graphs write them back."""
+
+    def __init__(self, fw, n_out: int, mutated: tuple, gm):
+        self.fw = fw  # boxed: inputs -> outputs + mutated inputs' new values
+        self.n_out = n_out
+        self.mutated = mutated
+        self.gm = gm
+
+    @classmethod
+    def build(cls, fn, fakes, fake_mode, meta, compiler: str, label: str, patches, counters):
+        with capture.LOCK:
+            gm = stages.trace_forward(fn, fakes, fake_mode, meta, compiler)
+            joint_passes.run(gm)
+            what = f"{label} (no differentiable output, {meta.expanded} grad call(s) expanded)"
+            with stages.own_tracing_context(fake_mode):
+                fw = capture.compile_graph(gm, list(fakes), compiler, f"the {what}", patches)
+        counters["grad_inference_graphs"] += 1
+        return cls(fw, len(meta.out_kinds), meta.mutated, gm)
+
+    def runtime(self):
+        """The callable dynamo calls (unboxed)."""
+        n, mutated, fw = self.n_out, self.mutated, self.fw
+
+        no_grad = torch.no_grad
+
+        # (under no_grad: nothing it returns requires grad, and Inductor's Python wrapper calls
+        # out= ops, which refuse inputs that require grad in grad mode)
+        def run(*args):
+            with no_grad():
+                outs = fw(list(args))
+                for i, v in zip(mutated, outs[n:]):
+                    args[i].copy_(v)
+            return tuple(outs[:n])
+
+        run._vjpgen_graph = self
+        return run
 
 
 class EagerVjp:

@@ -204,6 +204,7 @@ class JointMeta:
     mutated: tuple  # inputs whose data the function mutates (their new values follow the outputs)
     out_fakes: list = field(default_factory=list)
     tensor_inputs: tuple = ()  # the inputs that are tensors
+    expanded: int = 0  # torch.autograd.grad calls inside the function, expanded with vjpgen's kernels
 
     @property
     def num_fwd_outputs(self) -> int:
@@ -288,7 +289,9 @@ def analyze(fn, fakes, fake_mode, max_ops: int | None = None) -> JointMeta:
             if has_metadata_mutation(a, f, check_only_storage_mutation=False):
                 raise Unsupported(f"input {i}'s metadata is mutated")
             if has_data_mutation(a):
-                if rg[i]:
+                # (an input that requires grad may be mutated, under no_grad, by a function with
+                # nothing to differentiate: a whole training step's optimizer update)
+                if rg[i] and diff:
                     raise Unsupported(f"input {i}, which requires grad, is mutated")
                 if len(in_storage.get(StorageWeakRef(a.untyped_storage()), ())) > 1:
                     raise Unsupported(f"input {i} is mutated and aliases another input")
@@ -363,6 +366,34 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
     with enable_python_dispatcher(), fake_mode:
         gm = make_fx(joint, decomposition_table=decompositions or {}, tracing_mode="real",
                      _allow_non_fake_inputs=False)(list(fakes), tangents)
+    _flatten_io(gm)
+    _drop_none_items(gm)
+    return gm
+
+
+def trace_forward(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> torch.fx.GraphModule:
+    """make_fx of ``fn`` functionalized, for a function with no differentiable output: its outputs,
+    then the mutated inputs' new values (flat). A ``torch.autograd.grad`` inside it is expanded
+    by the caller's handler (vjpgen's kernels through the executor)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    def forward(primals):
+        with FunctionalTensorMode():
+            fp = [to_fun(p) for p in primals]
+            with torch.enable_grad():
+                outs = _as_tuple(fn(*fp))
+            new_vals = []
+            for i in meta.mutated:
+                torch._sync(fp[i])
+                new_vals.append(fp[i])
+            return [from_fun(o) if isinstance(o, torch.Tensor) else o for o in (*outs, *new_vals)]
+
+    prepare()
+    with enable_python_dispatcher(), fake_mode:
+        gm = make_fx(forward, decomposition_table=decompositions or {}, tracing_mode="real",
+                     _allow_non_fake_inputs=False)(list(fakes))
     _flatten_io(gm)
     _drop_none_items(gm)
     return gm

@@ -50,7 +50,7 @@ def _decompositions(compiler: str):
 
 
 @contextlib.contextmanager
-def _own_tracing_context(fake_mode):
+def own_tracing_context(fake_mode):
     """The inner compiles of the forward and backward graphs in a tracing context of their own
     (dynamo's fake mode, so its ShapeEnv: a size the compile specializes is guarded by dynamo):
     what dynamo's context holds for the graph it hands the backend (DDPOptimizer's
@@ -77,8 +77,16 @@ def analyse(fn, fakes, fake_mode, max_ops=None):
     joint.prepare()
     # a torch.autograd.grad inside the graph (dynamo's trace_autograd_ops; every vjp graph)
     # is expanded with vjpgen's kernels while tracing
-    with _expanding(joint.engine_call):
-        return joint.analyze(fn, fakes, fake_mode, max_ops)
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return joint.engine_call(*args)
+
+    with _expanding(counted):
+        meta = joint.analyze(fn, fakes, fake_mode, max_ops)
+    meta.expanded = len(calls)
+    return meta
 
 
 def trace(fn, fakes, fake_mode, meta, compiler: str) -> torch.fx.GraphModule:
@@ -86,6 +94,14 @@ def trace(fn, fakes, fake_mode, meta, compiler: str) -> torch.fx.GraphModule:
     ``compiler``. Called under ``capture.LOCK``."""
     with _expanding(joint.engine_call):
         return joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
+
+
+def trace_forward(fn, fakes, fake_mode, meta, compiler: str) -> torch.fx.GraphModule:
+    """Stage 2 of a function with nothing to differentiate (:class:`~.diffgraph.InferenceGraph`):
+    ``fn`` functionalized, the ``torch.autograd.grad`` calls inside it expanded with vjpgen's
+    kernels; returns its outputs, then the mutated inputs' new values. Called under ``capture.LOCK``."""
+    with _expanding(joint.engine_call):
+        return joint.trace_forward(fn, fakes, fake_mode, meta, _decompositions(compiler))
 
 
 class Halves(NamedTuple):
@@ -126,7 +142,7 @@ def partition(gm, meta, compiler: str) -> Halves:
 def compile_halves(halves: Halves, fakes, fake_mode, compiler: str, what: str, patches=None):
     """Stage 4: (forward, backward) compiled with ``compiler`` (boxed callables); ``patches``:
     Inductor settings. Called under ``capture.LOCK``."""
-    with _own_tracing_context(fake_mode), logs.progress(
+    with own_tracing_context(fake_mode), logs.progress(
             f"compiling the forward and backward of a {what} with {compiler}"):
         fw = capture.compile_graph(halves.fw_gm, list(fakes), compiler, f"the forward of {what}", patches)
         bw = capture.compile_graph(halves.bw_gm, placeholder_vals(halves.bw_gm), compiler,

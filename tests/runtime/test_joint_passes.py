@@ -1,0 +1,136 @@
+"""A whole training step compiled with ``backend="vjpgen"`` under dynamo's ``trace_autograd_ops``
+(its create_graph grads and the loss's grads in one graph, none of whose outputs requires grad):
+traced from vjpgen's kernels and compiled as one graph (``diffgraph.InferenceGraph``), with the graph
+passes of ``runtime/orders/joint_passes.py`` (issue 46). Against eager: first- and second-order grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import vjpgen.runtime as rt
+from vjpgen.runtime.orders import joint_passes
+
+AOT = {"compiler": "aot_eager"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    rt.reset_stats()
+    yield
+    torch._dynamo.reset()
+
+
+def _critic():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.LeakyReLU(0.2), nn.Linear(16, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+
+def _wgan_gp_grads(net, real, fake, eps):
+    """A WGAN-GP critic step's grads: the penalty differentiates the critic's input grad."""
+    params = list(net.parameters())
+    x = (eps * real + (1 - eps) * fake).requires_grad_()
+    (g,) = torch.autograd.grad(net(x).sum(), x, create_graph=True)
+    gp = ((g.norm(2, dim=1) - 1) ** 2).mean()
+    loss = net(fake).mean() - net(real).mean() + 10.0 * gp
+    return torch.autograd.grad(loss, params)
+
+
+def _data(n=7):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 5, generator=g) + 1, torch.randn(n, 5, generator=g), torch.rand(n, 1, generator=g)
+
+
+def test_whole_step_is_vjpgens_graph_with_eagers_grads(monkeypatch):
+    """The step's graph is vjpgen's (a grads graph, no fallback), its matmuls with a dimension of 1
+    rewritten by the pass (the critic's 16 -> 1 layer: forward, outer product, weight grad), and
+    the grads equal eager's."""
+    net = _critic()
+    data = _data()
+    ref = _wgan_gp_grads(net, *data)
+    seen = []
+    orig = joint_passes.run
+
+    def spy(gm):
+        done = orig(gm)
+        seen.append(done)
+        return done
+
+    monkeypatch.setattr(joint_passes, "run", spy)
+    f = torch.compile(lambda *d: _wgan_gp_grads(net, *d), backend="vjpgen", options=AOT, dynamic=False)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        got = f(*data)
+        got2 = f(*data)
+    b = rt.stats()["backend"]
+    assert b["grad_inference_graphs"] == 1 and b["fallbacks"] == 0 and b["inference_graphs"] == 0, b
+    assert seen and seen[0]["small_matmuls"] >= 3, seen
+    for a, c in zip(ref, got):
+        assert not c.requires_grad
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+    for a, c in zip(got, got2):
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+
+
+def test_pinn_laplacian_step_with_a_mutated_buffer():
+    """Nested create_graph grads (a Laplacian) in the step, and a buffer the step mutates (its new
+    value written back after the call, as eager leaves it)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    params = list(net.parameters())
+    calls = torch.zeros(())
+
+    def step(x, calls):
+        x = x.detach().requires_grad_()
+        (g,) = torch.autograd.grad(net(x).sum(), x, create_graph=True)
+        lap = 0
+        for d in range(2):
+            (h,) = torch.autograd.grad(g[:, d].sum(), x, create_graph=True)
+            lap = lap + h[:, d]
+        loss = (lap**2).mean() + (net(x[:3]) ** 2).mean()
+        calls.add_(1)
+        return torch.autograd.grad(loss, params)
+
+    x = torch.rand(6, 2, generator=torch.Generator().manual_seed(2))
+    ref_calls = torch.zeros(())
+    ref = step(x, ref_calls)
+    f = torch.compile(step, backend="vjpgen", options=AOT, dynamic=False)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        got = f(x, calls)
+    assert rt.stats()["backend"]["grad_inference_graphs"] == 1, rt.stats()["backend"]
+    assert float(calls) == float(ref_calls) == 1.0
+    for a, c in zip(ref, got):
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_matmuls_keep_the_values(bias):
+    """The pass on a graph of every case (K = 1: an outer product; M = 1; N = 1; and a matmul it
+    leaves as it is), run on real tensors: the same values as the graph before it."""
+    aten = torch.ops.aten
+    shapes = [((6, 1), (1, 4)), ((1, 6), (6, 4)), ((6, 4), (4, 1)), ((6, 3), (3, 4))]
+
+    def fn(*ts):
+        outs = []
+        for k in range(len(shapes)):
+            a, b, c = ts[3 * k:3 * k + 3]
+            outs.append(aten.addmm.default(c, a, b) if bias else aten.mm.default(a, b))
+        return outs
+
+    g = torch.Generator().manual_seed(0)
+    args = []
+    for sa, sb in shapes:
+        args += [torch.randn(sa, generator=g), torch.randn(sb, generator=g), torch.randn(sb[1], generator=g)]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    ref = gm(*args)
+    n = joint_passes.small_matmuls(gm)
+    gm.recompile()
+    assert n == 3
+    left = [x for x in gm.graph.nodes if x.target in (aten.mm.default, aten.addmm.default)]
+    assert len(left) == 1
+    got = gm(*args)
+    for a, c in zip(ref, got):
+        assert a.shape == c.shape
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
