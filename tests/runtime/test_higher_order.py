@@ -367,3 +367,23 @@ def test_unasked_grads_are_not_computed_like_eager(third):
             continue
         torch.testing.assert_close(v, r)
     _no_fallbacks(rt.stats())
+
+
+@pytest.mark.parametrize("op", [torch.nn.functional.hardsigmoid,
+                                lambda x: torch.nn.functional.multi_margin_loss(x.view(1, -1), torch.tensor([2]))])
+def test_a_derivative_torch_does_not_implement_raises_where_eager_raises(op):
+    """The next order of these backwards is torch's NotImplemented node: eager's create_graph grad
+    succeeds and differentiating it raises. vjpgen raised already at the create_graph grad (its
+    joint called that node while tracing the next order); the region now runs uncompiled."""
+    torch.manual_seed(0)
+    x = torch.randn(5, dtype=torch.double, requires_grad=True)
+    y = op(x)
+    v = torch.randn(y.shape, dtype=torch.double, requires_grad=True)
+    (ge,) = torch.autograd.grad(op(x), x, v, create_graph=True)
+    (g,) = rt.grad(op(x), [x], [v], create_graph=True, backend=BK)
+    torch.testing.assert_close(g, ge)
+    with pytest.raises(RuntimeError, match="is not implemented") as eager_err:
+        torch.autograd.grad(ge.sum(), [x, v])
+    with pytest.raises(RuntimeError, match="is not implemented") as err:
+        rt.grad(g.sum(), [x, v], backend=BK)
+    assert str(err.value) == str(eager_err.value)

@@ -148,6 +148,11 @@ def grad_inline(outputs, inputs, grad_outputs, create_graph: bool = False) -> li
         if isinstance(st, plan_mod.LiveStep):
             live = True
             info = plan.infos[st.node]
+            if info.name == "NotImplemented":  # torch's node for a derivative it does not implement
+                # (it raises when called: eager raises when this order is differentiated, not
+                # before; the order runs uncompiled and raises the same error when it is)
+                raise Unsupported("a derivative torch does not implement (its NotImplemented node) in the "
+                                  "graph to differentiate")
             STATS.backend["own_backward_nodes"][f"{info.name}: {info.live[1]}"] += 1
     ctx = CallContext(None, False, Inline, None, create_graph)
     ctx.hooked = hooked
