@@ -387,3 +387,23 @@ def test_a_derivative_torch_does_not_implement_raises_where_eager_raises(op):
     with pytest.raises(RuntimeError, match="is not implemented") as err:
         rt.grad(g.sum(), [x, v], backend=BK)
     assert str(err.value) == str(eager_err.value)
+
+
+def test_a_region_whose_trace_makes_a_data_dependent_size_runs_uncompiled():
+    """trace's backward fills the diagonal with index_fill, whose backward takes a unique of the
+    index (a data-dependent size): the create_graph region of that next order cannot be traced
+    (make_fx's unbacked symbol). It raised; it runs uncompiled now (counted), eager's values."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 5, dtype=torch.double, requires_grad=True)
+    v = torch.randn((), dtype=torch.double, requires_grad=True)
+    w = torch.randn(5, 5, dtype=torch.double, requires_grad=True)
+    (ge,) = torch.autograd.grad(torch.trace(x), x, v, create_graph=True)
+    e2 = torch.autograd.grad(ge, [v], w, create_graph=True)
+    (g,) = rt.grad(torch.trace(x), [x], [v], create_graph=True, backend=BK)
+    rt.reset_stats()
+    g2 = rt.grad(g, [v], [w], create_graph=True, backend=BK)
+    torch.testing.assert_close(g2[0], e2[0])
+    reasons = rt.stats()["higher_order"]["fallback_reasons"]
+    assert any("runs uncompiled" in r for r in reasons), reasons
+    # and the uncompiled region's result is differentiable, as eager's
+    torch.testing.assert_close(torch.autograd.grad(g2[0], w)[0], torch.autograd.grad(e2[0], w)[0])

@@ -29,13 +29,14 @@ import logging
 import torch
 
 from ..compile import capture, fastpath
-from ..plan import decide
+from ..plan import decide, kernels
 from . import diffgraph, joint
 from ..execute import region_fn
 from ..graph import hooks
 from ... import native
 from ..compile.cache import Compiled, RegionCache, find, make_guard
 from ..execute.leaves import clone_obey_contract
+from ..execute.region_key import NodeTraceError
 from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
@@ -90,6 +91,17 @@ class _Uncompiled:
             return tuple(self.fn(*args))
 
 
+def _uncompiled(fn, order, e: Exception) -> _Uncompiled:
+    """A region whose trace failed in a way that is not a kernel's (a kernel that cannot be traced
+    is a graph break): e.g. a next order whose trace makes a data-dependent size (trace's backward
+    fills a diagonal with index_fill, whose backward takes a unique of the index). It runs
+    uncompiled, eager's values, counted and logged."""
+    reason = f"{type(e).__name__} while tracing: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    log.warning("vjpgen: %s; this create_graph region runs uncompiled (please report it)", reason)
+    record_fallback(order, f"region runs uncompiled: {reason}")
+    return _Uncompiled(fn, order)
+
+
 def _region_caches(plan) -> dict:
     return plan.learned.ho_caches
 
@@ -135,10 +147,20 @@ def _compile_now(region, plan, S, T, I, dd, di, backend, order, family):
     except joint.Unsupported as e:
         record_fallback(order, f"region runs uncompiled: {e}")
         graph = _Uncompiled(fn, order)
+    except (NodeTraceError, kernels.OverrideError):  # a kernel that cannot be traced: a graph break
+        raise
+    except Exception as e:  # noqa: BLE001 - the region runs uncompiled (eager's values), with a warning
+        graph = _uncompiled(fn, order, e)
     if graph is None:  # nothing requires grad: a first-order graph
-        gm = capture.trace(fn, fargs, grad=True)
-        graph = _Plain(capture.compile_graph(gm, fargs, backend, label), order)
-        _count("compiles", order)
+        try:
+            gm = capture.trace(fn, fargs, grad=True)
+        except (NodeTraceError, kernels.OverrideError):
+            raise
+        except Exception as e:  # noqa: BLE001 - as above
+            graph = _uncompiled(fn, order, e)
+        else:
+            graph = _Plain(capture.compile_graph(gm, fargs, backend, label), order)
+            _count("compiles", order)
     elif isinstance(graph, diffgraph.CompiledGraph):
         gm = graph.fw_gm
     guard = guard_src = None
