@@ -134,3 +134,46 @@ def test_small_matmuls_keep_the_values(bias):
     for a, c in zip(ref, got):
         assert a.shape == c.shape
         torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
+
+
+def test_cpu_masks_are_recomputed_not_saved():
+    """The partition for Inductor on the CPU saves no bool mask of a comparison (Inductor's C++
+    stores bool tensors slowly): the backward recomputes ``x > 0`` from the saved float input. The
+    halves, run as they are (no compile), give eager's first- and second-order grads."""
+    from vjpgen.runtime.orders import stages
+
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(6, 5, requires_grad=True), torch.randn(1, 6, requires_grad=True)
+
+    def fn(x, w1, w2):
+        h = torch.nn.functional.leaky_relu(x @ w1.t(), 0.2)
+        y = torch.nn.functional.leaky_relu(h @ w2.t(), 0.2).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        return (g ** 2).sum()
+
+    x = torch.randn(4, 5, requires_grad=True)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(t) for t in (x, w1, w2)]
+    for f, t in zip(fakes, (x, w1, w2)):
+        f.requires_grad_(t.requires_grad)
+    meta = stages.analyse(fn, fakes, mode)
+    gm = stages.trace(fn, fakes, mode, meta, "inductor")
+    halves = stages.partition(gm, meta, "inductor")
+    saved = [s.meta["val"] for s in halves.saved if isinstance(s.meta.get("val"), torch.Tensor)]
+    assert saved and not any(v.dtype == torch.bool for v in saved), [v.dtype for v in saved]
+    assert any(n.target in (torch.ops.aten.gt.Scalar, torch.ops.aten.gt.Tensor)
+               for n in halves.bw_gm.graph.nodes), "the backward recomputes the masks"
+    # the halves as they are, against eager
+    with torch.no_grad():
+        fw_out = halves.fw_gm(x.detach(), w1.detach(), w2.detach())
+        n_fw = meta.num_fwd_outputs
+        saved_vals = list(fw_out[n_fw:])
+        ones = torch.ones(())
+        bw_in = [saved_vals[k] if kind == "saved" else ones for kind, k in halves.bw_args]
+        grads = halves.bw_gm(*bw_in)
+    want = torch.autograd.grad(fn(x, w1, w2), (x, w1, w2))
+    torch.testing.assert_close(fw_out[0], fn(x, w1, w2).detach())
+    for a, b in zip(want, [g for g in grads if g is not None]):
+        torch.testing.assert_close(b, a)
