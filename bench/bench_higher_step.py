@@ -26,9 +26,10 @@ Methods (the same weights, data and update in all):
 * ``vjpgen backend, whole step``: one function (loss, ``torch.autograd.grad(loss, params)``,
   the update under ``no_grad``) compiled with ``backend="vjpgen"`` under ``trace_autograd_ops``;
 * ``vjpgen backend, whole step, update outside``: the same without the update (the function returns
-  the grads; the update is one eager ``_foreach_add_``): the update in the function mutates
-  parameters that require grad, which vjpgen's backend hands to torch's AOTAutograd (a counted
-  fallback), so the row above runs torch's graph and this one vjpgen's;
+  the grads; the update is one eager ``_foreach_add_``). Both whole-step functions return nothing
+  that requires grad: vjpgen's backend compiles them as one graph whose grads are traced from its
+  kernels (``InferenceGraph``, ``stats()["backend"]["grad_inference_graphs"]``); before that they
+  went to torch's AOTAutograd, so these rows measured torch's graph;
 * ``torch.compile, whole step``: the whole-step function with the update, ``torch.compile`` default (Inductor);
 * ``torch.compile(func.grad)``: the loss written with ``torch.func`` (``functional_call``, the
   inner derivatives by ``torch.func.grad``) and ``torch.compile`` of ``func.grad(loss)`` plus the
