@@ -54,6 +54,19 @@ def _fresh():
 
 
 @pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches reset before and after the test and vjpgen's counters zeroed: each test
+    compiles its functions afresh, and stats()["backend"] counts that test's graphs alone. A module
+    uses it for every test with ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``."""
+    import torch
+
+    torch._dynamo.reset()
+    rt.reset_stats()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def demo_peak_bytes():
     """``measure(make)``: for a demo model maker (``examples.demo.make_*``), the peak backward
     bytes of eager autograd and of vjpgen under Inductor, as the bench measures them (fresh graph,

@@ -16,13 +16,7 @@ from vjpgen.generated import get_module
 
 AOT = {"compiler": "aot_eager"}
 
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    rt.reset_stats()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _compiled(fn):

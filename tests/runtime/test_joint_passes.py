@@ -15,13 +15,7 @@ from vjpgen.runtime.orders import joint_passes
 
 AOT = {"compiler": "aot_eager"}
 
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    rt.reset_stats()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _critic():

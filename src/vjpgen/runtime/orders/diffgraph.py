@@ -299,7 +299,7 @@ class InferenceGraph:
     @classmethod
     def build(cls, fn, fakes, fake_mode, meta, compiler: str, label: str, patches, counters):
         with capture.LOCK:
-            gm = stages.trace_forward(fn, fakes, fake_mode, meta, compiler)
+            gm = stages.trace(fn, fakes, fake_mode, meta, compiler)
             joint_passes.run(gm)
             what = f"{label} (no differentiable output, {meta.expanded} grad call(s) expanded)"
             with stages.own_tracing_context(fake_mode):

@@ -144,6 +144,8 @@ def _compile_now(region, plan, S, T, I, dd, di, backend, order, family):
     try:
         graph = diffgraph.CompiledGraph.build(fn, fargs, mode, backend, order, label, counters=_counters(),
                                               family=family)
+        if graph is None:  # nothing requires grad: a first-order graph
+            gm = capture.trace(fn, fargs, grad=True)
     except joint.Unsupported as e:
         record_fallback(order, f"region runs uncompiled: {e}")
         graph = _Uncompiled(fn, order)
@@ -151,16 +153,9 @@ def _compile_now(region, plan, S, T, I, dd, di, backend, order, family):
         raise
     except Exception as e:  # noqa: BLE001 - the region runs uncompiled (eager's values), with a warning
         graph = _uncompiled(fn, order, e)
-    if graph is None:  # nothing requires grad: a first-order graph
-        try:
-            gm = capture.trace(fn, fargs, grad=True)
-        except (NodeTraceError, kernels.OverrideError):
-            raise
-        except Exception as e:  # noqa: BLE001 - as above
-            graph = _uncompiled(fn, order, e)
-        else:
-            graph = _Plain(capture.compile_graph(gm, fargs, backend, label), order)
-            _count("compiles", order)
+    if gm is not None:
+        graph = _Plain(capture.compile_graph(gm, fargs, backend, label), order)
+        _count("compiles", order)
     elif isinstance(graph, diffgraph.CompiledGraph):
         gm = graph.fw_gm
     guard = guard_src = None

@@ -337,7 +337,9 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
     ``fn`` functionalized, its backward built from vjpgen's kernels (:func:`grad_inline`). The
     placeholders are named ``primals_*`` / ``tangents_*`` and the outputs flat, as torch's
     partitioners expect; a grad is None for an input that does not require grad or that no
-    output reaches."""
+    output reaches. A function with no differentiable output has no backward: the graph returns
+    the outputs and the mutated inputs' new values alone (a ``torch.autograd.grad`` inside it is
+    expanded by the caller's handler)."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
     from torch._subclasses.functional_tensor import FunctionalTensorMode
@@ -351,12 +353,14 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
             ft = [to_fun(t) for t in tangents]
             with torch.enable_grad():
                 outs = _as_tuple(fn(*fp))
-            _tag_forward()
-            wrt = [p for p, r in zip(fp, rg) if r]
-            with _backward_tag():
-                gs = grad_inline([outs[j] for j in diff], wrt, ft)
-            it = iter(gs)
-            grads = [next(it) if r else None for r in rg]
+            grads = []
+            if diff:
+                _tag_forward()
+                wrt = [p for p, r in zip(fp, rg) if r]
+                with _backward_tag():
+                    gs = grad_inline([outs[j] for j in diff], wrt, ft)
+                it = iter(gs)
+                grads = [next(it) if r else None for r in rg]
             new_vals = []
             for i in meta.mutated:
                 torch._sync(fp[i])
@@ -371,34 +375,6 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
     with enable_python_dispatcher(), fake_mode:
         gm = make_fx(joint, decomposition_table=decompositions or {}, tracing_mode="real",
                      _allow_non_fake_inputs=False)(list(fakes), tangents)
-    _flatten_io(gm)
-    _drop_none_items(gm)
-    return gm
-
-
-def trace_forward(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> torch.fx.GraphModule:
-    """make_fx of ``fn`` functionalized, for a function with no differentiable output: its outputs,
-    then the mutated inputs' new values (flat). A ``torch.autograd.grad`` inside it is expanded
-    by the caller's handler (vjpgen's kernels through the executor)."""
-    from torch._dispatch.python import enable_python_dispatcher
-    from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
-    def forward(primals):
-        with FunctionalTensorMode():
-            fp = [to_fun(p) for p in primals]
-            with torch.enable_grad():
-                outs = _as_tuple(fn(*fp))
-            new_vals = []
-            for i in meta.mutated:
-                torch._sync(fp[i])
-                new_vals.append(fp[i])
-            return [from_fun(o) if isinstance(o, torch.Tensor) else o for o in (*outs, *new_vals)]
-
-    prepare()
-    with enable_python_dispatcher(), fake_mode:
-        gm = make_fx(forward, decomposition_table=decompositions or {}, tracing_mode="real",
-                     _allow_non_fake_inputs=False)(list(fakes))
     _flatten_io(gm)
     _drop_none_items(gm)
     return gm

@@ -90,18 +90,11 @@ def analyse(fn, fakes, fake_mode, max_ops=None):
 
 
 def trace(fn, fakes, fake_mode, meta, compiler: str) -> torch.fx.GraphModule:
-    """Stage 2: the joint graph (forward, then the backward from vjpgen's kernels), decomposed for
-    ``compiler``. Called under ``capture.LOCK``."""
+    """Stage 2: the joint graph (forward, then the backward from vjpgen's kernels; the forward
+    alone for a function with no differentiable output), decomposed for ``compiler``. Called under
+    ``capture.LOCK``."""
     with _expanding(joint.engine_call):
         return joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
-
-
-def trace_forward(fn, fakes, fake_mode, meta, compiler: str) -> torch.fx.GraphModule:
-    """Stage 2 of a function with nothing to differentiate (:class:`~.diffgraph.InferenceGraph`):
-    ``fn`` functionalized, the ``torch.autograd.grad`` calls inside it expanded with vjpgen's
-    kernels; returns its outputs, then the mutated inputs' new values. Called under ``capture.LOCK``."""
-    with _expanding(joint.engine_call):
-        return joint.trace_forward(fn, fakes, fake_mode, meta, _decompositions(compiler))
 
 
 class Halves(NamedTuple):
