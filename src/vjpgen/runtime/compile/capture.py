@@ -410,12 +410,20 @@ def unread_inputs(source: str, n_args: int) -> tuple:
 _STAND_IN = torch.empty(0)  # an unread input's place in a call of the C++ wrapper (never read)
 
 
-def _direct(seen: dict, n_args: int):
+def _direct(seen: dict, n_args: int, internal_from: int | None = None):
     """Inductor's compiled module itself, boxed, where AOTAutograd's runtime wrappers around it
     would do nothing for this graph (they cost ~8-12 µs a call): an inference graph whose
     inputs reach the compiled code as they are (no dedupe, no synthetic bases), that mutates no
     input and whose outputs alias nothing (else AOT regenerates them), with no effect tokens or
-    tensor subclasses. None otherwise (then the wrapped function is used)."""
+    tensor subclasses. None otherwise (then the wrapped function is used).
+
+    ``internal_from``: outputs from this position on are vjpgen's own (a partitioned forward's
+    saved values): one that aliases an input (the forward saves its primals) or another output is
+    taken as the compiled code returns it, a view of the same storage with the same sizes and
+    strides, where AOT would regenerate each alias by replaying its views (~10 µs an alias; a
+    create_graph forward saves several). Those values never reach the user or autograd: only the
+    graph's backward reads them. The trailing intermediate bases AOT adds for such aliases are
+    dropped. The user's outputs (before ``internal_from``) must still alias nothing."""
     from torch._functorch._aot_autograd.schemas import OutputType, PlainTensorMeta
 
     code, meta = seen.get("code"), seen.get("meta")
@@ -423,25 +431,28 @@ def _direct(seen: dict, n_args: int):
     if call is None or meta is None or seen.get("n_inputs") != n_args:
         return None
     try:
+        outs = list(meta.output_info)
+        strict = outs if internal_from is None else outs[:internal_from]
         plain = (
             not any(i.mutates_data or i.mutates_metadata or i.mutates_storage_metadata for i in meta.input_info)
-            and all(o.output_type == OutputType.non_alias for o in meta.output_info)
-            and not meta.num_intermediate_bases
+            and all(o.output_type == OutputType.non_alias for o in strict)
+            and (not meta.num_intermediate_bases or internal_from is not None)
             and not meta.tokens
             and all(isinstance(m, (int, PlainTensorMeta)) for m in (meta.subclass_inp_meta or ()))
             and all(isinstance(m, (int, PlainTensorMeta)) for m in (meta.subclass_fw_graph_out_meta or ()))
         )
+        n_out, extra = len(outs), meta.num_intermediate_bases
     except (AttributeError, ImportError):  # another torch's metadata: keep AOT's wrappers
         return None
     if not plain:
         return None
     source = getattr(code, "source_code", None) or ""
-    run = direct_call(call, source, n_args)
+    run = direct_call(call, source, n_args, n_out if extra else None)
     # the on-disk cache (disk_cache.py) can rebuild exactly this from the source: a module-level
     # ``call`` of the module Inductor wrote, with no constants set on it afterwards
     g = getattr(call, "__globals__", {})
     if (
-        source and g.get("call") is call and not getattr(code, "constants", None)
+        source and not extra and g.get("call") is call and not getattr(code, "constants", None)
         and not getattr(code, "torchbind_constants", None) and _file_text(g.get("__file__")) == source
     ):
         run._vjpgen_source = source
@@ -456,9 +467,10 @@ def _file_text(path) -> str | None:
         return None
 
 
-def direct_call(call, source: str, n_args: int):
+def direct_call(call, source: str, n_args: int, n_out: int | None = None):
     """Inductor's boxed ``call(args)``, called with dynamo's frame hook off, after letting go of the
-    inputs it never reads."""
+    inputs it never reads; ``n_out``: only that many outputs are returned (the rest are AOT's
+    intermediate bases, see :func:`_direct`)."""
     from torch._C._dynamo.eval_frame import set_eval_frame
 
     unread = unread_inputs(source, n_args)
@@ -472,9 +484,10 @@ def direct_call(call, source: str, n_args: int):
             args[j] = stand_in
         prior = set_eval_frame(None)  # as torch._dynamo.disable: dynamo never traces the kernels' caller
         try:
-            return call(args)
+            out = call(args)
         finally:
             set_eval_frame(prior)
+        return out if n_out is None else out[:n_out]
 
     run._boxed_call = True
     return run
@@ -627,9 +640,12 @@ def realize_scalars(gm: torch.fx.GraphModule) -> int:
 
 
 def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str = "a backward graph",
-                  patches: dict | None = None):
+                  patches: dict | None = None, internal_from: int | None = None):
     """Compile a traced graph into a *boxed* callable: ``fn(args: list) -> list``; logs one INFO
-    line with the graph's size and the seconds it took.
+    line with the graph's size and the seconds it took. ``internal_from``: the outputs from this
+    position on are vjpgen's own (a forward's saved values, read only by its backward), which may
+    be returned as the compiled code makes them where they alias an input or another output (see
+    :func:`_direct`).
 
     The callee empties ``args`` before it runs (the calling convention of AOTAutograd's boxed
     functions and of compiled autograd), so the compiled code holds the only references to its
@@ -639,7 +655,7 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str 
     """
     t0 = time.perf_counter()
     ref = copy_graph(gm) if checking() and backend != "eager" else None
-    fn = _compile_graph(gm, fake_args, backend, patches)
+    fn = _compile_graph(gm, fake_args, backend, patches, internal_from)
     if ref is not None:
         fn = _checked(fn, ref, label, backend_name(backend))
     if log.isEnabledFor(logging.INFO):  # (counting the ops is a walk of the graph: only when shown)
@@ -741,7 +757,7 @@ def progress(region, backend, what: str = ""):
     )
 
 
-def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None):
+def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None, internal_from=None):
     from torch._dynamo.utils import GmWrapper
 
     fake_args = list(fake_args)
@@ -781,7 +797,7 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None):
                 config_patches={**inductor_fixes.config_patches(), **_INDUCTOR_PATCHES, "cpp_wrapper": cpp_wrapper(gm),
                                 **(patches or {})},
             )
-        return _direct(seen, len(fake_args)) or fn
+        return _direct(seen, len(fake_args), internal_from) or fn
     if callable(backend):
         fn = backend(gm, fake_args)
         return fn if getattr(fn, "_boxed_call", False) else _boxed(fn)

@@ -137,7 +137,11 @@ def compile_halves(halves: Halves, fakes, fake_mode, compiler: str, what: str, p
     Inductor settings. Called under ``capture.LOCK``."""
     with own_tracing_context(fake_mode), logs.progress(
             f"compiling the forward and backward of a {what} with {compiler}"):
-        fw = capture.compile_graph(halves.fw_gm, list(fakes), compiler, f"the forward of {what}", patches)
+        # (the forward's saved values, read only by its backward, as Inductor returns them: the
+        # primals and views of them it saves are not regenerated as aliases on each call)
+        n_fw = len(next(iter(halves.fw_gm.graph.find_nodes(op="output"))).args[0]) - len(halves.saved)
+        fw = capture.compile_graph(halves.fw_gm, list(fakes), compiler, f"the forward of {what}", patches,
+                                   internal_from=n_fw)
         bw = capture.compile_graph(halves.bw_gm, placeholder_vals(halves.bw_gm), compiler,
                                    f"the backward of {what}", patches)
     return fw, bw
