@@ -620,6 +620,29 @@ def test_inductor_forcefield_in_one_graph():
     _forcefield_in_one_graph(None)
 
 
+def test_inductor_output_and_its_detached_alias():
+    """``return loss.detach(), loss`` (a training step's loss and its value to log): Inductor
+    returns one tensor for both outputs; the detached one is marked without grad, the loss keeps
+    its grad (it had none before: backward raised "element 0 of tensors does not require grad",
+    found on schnetpack's whole step)."""
+    lin = nn.Linear(6, 3)
+
+    def f(x):
+        loss = lin(x).tanh().pow(2).mean()
+        return loss.detach(), loss
+
+    x = torch.randn(5, 6)
+    grads = []
+    for fn in (f, _compiled(f, options=None)):
+        lin.zero_grad(set_to_none=True)
+        value, loss = fn(x)
+        assert loss.requires_grad and not value.requires_grad
+        loss.backward()
+        grads.append((value, lin.weight.grad.clone(), lin.bias.grad.clone()))
+    for a, b, what in zip(grads[0], grads[1], ("loss", "weight grad", "bias grad")):
+        _close(a, b, what)
+
+
 def test_backward_frees_saved_activations_as_it_goes():
     """The Function lets go of its saved tensors before the compiled backward runs, which frees
     each after its last use: the backward's peak is torch.compile's (both with aot_eager), not

@@ -386,7 +386,7 @@ class GraphFn(torch.autograd.Function):
         res = cg.fw(list(args))
         n_out = len(meta.out_kinds)
         n_fw = meta.num_fwd_outputs
-        outs = res[:n_out]
+        outs = list(res[:n_out])
         box.extend(res[n_out:n_fw])
         saved = res[n_fw:]
         ctx.cg = cg
@@ -398,9 +398,15 @@ class GraphFn(torch.autograd.Function):
         ctx.primals = args
         ctx.versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
         ctx.diff_meta = [(outs[j].shape, outs[j].dtype, outs[j].device) for j in meta.diff_outputs]
-        nondiff = [outs[j] for j in meta.nondiff_outputs]
-        if nondiff:
-            ctx.mark_non_differentiable(*nondiff)
+        if meta.nondiff_outputs:
+            # an output without grad that is the very tensor of one with grad (``return
+            # loss.detach(), loss``: Inductor returns one buffer for both) is its own alias, or
+            # marking it would leave the differentiable one without grad
+            diff = {id(outs[j]) for j in meta.diff_outputs}
+            for j in meta.nondiff_outputs:
+                if id(outs[j]) in diff:
+                    outs[j] = outs[j].detach()
+            ctx.mark_non_differentiable(*[outs[j] for j in meta.nondiff_outputs])
         ctx.set_materialize_grads(False)
         return tuple(outs)
 
