@@ -616,6 +616,33 @@ def test_inductor_training_and_dropout_masks():
     assert _backend()["compiles"] == {1: 1}
 
 
+@pytest.mark.parametrize("kind", ["linear", "nonlinear"])
+def test_grads_of_some_inputs_without_grad_mode_are_compiled(kind):
+    """``autograd.grad(loss, weights)`` where an input of the compiled graph requires grad but is
+    not asked for (the positions of a force field's whole step): the backward computes only the
+    weights' grads, from a compiled graph of that vjp, also where it is constant in the inputs
+    (a linear function's: before, it ran uncompiled on every call), and no backward half is built
+    for it (nothing differentiates these grads). Eager's grads."""
+    w = torch.randn(5, requires_grad=True)
+
+    def f(x):
+        if kind == "linear":
+            return (x * 2.0 + w * 3.0).sum()
+        return (x * w).tanh().sum()
+
+    c = _compiled(f)
+    got = []
+    for fn in (f, c, c):
+        x = torch.randn(5, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        (g,) = torch.autograd.grad(fn(x), [w])
+        got.append(g)
+    _close(got[0], got[1], "w grad")
+    _close(got[0], got[2], "w grad (second call)")
+    b = _backend()
+    assert b["uncompiled_vjp_calls"] == 0 and b["fallbacks"] == 0, b
+    assert b["compiles"] == {1: 1, 2: 1}, b  # the graph, then its vjp for w alone: once
+
+
 def test_inductor_forcefield_in_one_graph():
     _forcefield_in_one_graph(None)
 

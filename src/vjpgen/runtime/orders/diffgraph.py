@@ -198,19 +198,22 @@ class CompiledGraph:
 
     # -- the next order
 
-    def vjp_graph(self, mask: tuple, args: list):
+    def vjp_graph(self, mask: tuple, args: list, plain: bool = False):
         """The CompiledGraph of this graph's vjp with respect to the inputs in ``mask``, for
         ``args`` (primals then tangents): traced at their exact sizes on first use (for a dynamic
         graph: with its symbolic dimensions symbolic); when sizes change (a force field trained
         on molecules of different atom counts), traced once more with the dimensions that changed
         symbolic, valid where its shape guards hold (as the runtime's regions turn dynamic after
-        one change)."""
+        one change). ``plain``: the vjp for a backward that runs without grad mode (nothing will
+        differentiate its grads): one compiled graph of the vjp function, no backward half, no
+        saved values (an :class:`InferenceGraph`), also where the grads are constant in the inputs
+        (a linear function's), which have no differentiable graph to compile."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         ints = [a for a in args if not isinstance(a, torch.Tensor)]
         # the structure: everything but the sizes (the tensors' and the int arguments, which dynamo
         # passes for its dynamic sizes)
-        skey = (mask, tuple((a.dtype, a.device, a.dim(), a.requires_grad) if isinstance(a, torch.Tensor)
-                            else type(a) for a in args))
+        skey = (mask, plain, tuple((a.dtype, a.device, a.dim(), a.requires_grad) if isinstance(a, torch.Tensor)
+                                   else type(a) for a in args))
         exact = (tuple((tuple(t.shape), tuple(t.stride())) for t in tensors), tuple(ints))
         TI = [*tensors, *ints]
         fam = self.vjps.get(skey)
@@ -232,7 +235,7 @@ class CompiledGraph:
                 fam["first"] = exact
                 if not any(t_dyn) and not any(i_dyn):  # a static graph: its vjp static first
                     fakes, fake_mode = _static_fakes(args)
-                    cg = self._build_vjp(fn, fakes, fake_mode, mask)
+                    cg = self._build_vjp(fn, fakes, fake_mode, mask, plain)
                     fam["static"][exact] = cg if cg is not None else False
                     return cg
                 # a dynamic graph: its vjp dynamic in the same dimensions
@@ -250,20 +253,29 @@ class CompiledGraph:
             tfakes, ivals, shape_env, fake_mode = capture.fakeify(tensors, ints, dd, di)
             it_t, it_i = iter(tfakes), iter(ivals)
             fakes = [next(it_t) if isinstance(a, torch.Tensor) else next(it_i) for a in args]
-            cg = self._build_vjp(fn, fakes, fake_mode, mask)
+            cg = self._build_vjp(fn, fakes, fake_mode, mask, plain)
             guard, _ = make_guard(shape_env, tfakes, ivals)
             fam["dynamic"].append((guard, cg if cg is not None else False))
             return cg
 
 
-    def _build_vjp(self, fn, fakes, fake_mode, mask):
-        """The next order's CompiledGraph, or an :class:`EagerVjp` (counted) where vjpgen cannot
-        build its joint: that order is then computed by running ``fn`` (vjpgen's kernels on the
-        real tensors, recorded by autograd), eager's values, never an error eager does not raise."""
+    def _build_vjp(self, fn, fakes, fake_mode, mask, plain=False):
+        """The next order's CompiledGraph (``plain``: its :class:`InferenceGraph`), or an
+        :class:`EagerVjp` (counted) where vjpgen cannot build its joint: that order is then
+        computed by running ``fn`` (vjpgen's kernels on the real tensors, recorded by autograd),
+        eager's values, never an error eager does not raise."""
         order = self.order + 1
         n_ops = sum(1 for n in self.fw_gm.graph.nodes if n.op == "call_function")
         budget = max(MIN_VJP_OPS, VJP_GROWTH * n_ops)
         try:
+            if plain:
+                meta = stages.analyse(fn, fakes, fake_mode, budget)
+                meta.diff_outputs = ()  # (traced as a forward: nothing differentiates these grads)
+                ig = InferenceGraph.build(fn, fakes, fake_mode, meta, self.compiler,
+                                          f"{self.label} (order {order}, its grads without grad mode)", self.patches,
+                                          self.counters, counter=None)
+                self.counters["compiles"][order] += 1
+                return ig
             return CompiledGraph.build(fn, fakes, fake_mode, self.compiler, order, self.label, self.patches,
                                        self.counters, self.family.vjp(mask), budget)
         except joint.TooLarge as e:
@@ -295,17 +307,27 @@ class InferenceGraph:
         self.n_out = n_out
         self.mutated = mutated
         self.gm = gm
+        # per output: the inputs it depends on (as CompiledGraph.fw_deps, for a vjp's grads)
+        self.fw_deps = tuple(capture.output_deps(gm)[:n_out])
 
     @classmethod
-    def build(cls, fn, fakes, fake_mode, meta, compiler: str, label: str, patches, counters):
+    def build(cls, fn, fakes, fake_mode, meta, compiler: str, label: str, patches, counters,
+              counter="grad_inference_graphs"):
         with capture.LOCK:
             gm = stages.trace(fn, fakes, fake_mode, meta, compiler)
             joint_passes.run(gm)
             what = f"{label} (no differentiable output, {meta.expanded} grad call(s) expanded)"
             with stages.own_tracing_context(fake_mode):
                 fw = capture.compile_graph(gm, list(fakes), compiler, f"the {what}", patches)
-        counters["grad_inference_graphs"] += 1
+        if counter is not None:
+            counters[counter] += 1
         return cls(fw, len(meta.out_kinds), meta.mutated, gm)
+
+    def call(self, args: list):
+        """Its outputs for ``args``, without grad (a vjp's grads where the backward runs without
+        grad mode)."""
+        with torch.no_grad():
+            return tuple(self.fw(list(args))[:self.n_out])
 
     def runtime(self):
         """The callable dynamo calls (unboxed)."""
@@ -440,7 +462,7 @@ class GraphFn(torch.autograd.Function):
                 # grads the running backward does not use are not computed (eager's node does not
                 # compute them, and their kernels may raise): the vjp for the inputs it uses
                 primals = ctx.primals
-                grads = _differentiable_backward(ctx, cg, tangents, gouts, mask)
+                grads = _differentiable_backward(ctx, cg, tangents, gouts, mask, plain=True)
                 if grads is None:  # a vjp that is constant in the inputs (nothing to compile it
                     # as a differentiable graph for): vjpgen's kernels run on the real tensors
                     wrt = tuple(i for i, m in enumerate(mask) if m)
@@ -480,10 +502,11 @@ def _check_versions(ctx, positions) -> None:
             )
 
 
-def _differentiable_backward(ctx, cg, tangents, gouts, mask=None):
+def _differentiable_backward(ctx, cg, tangents, gouts, mask=None, plain=False):
     """A create_graph backward: the grads as the outputs of the vjp's own compiled graph, called
     on the inputs (whose history it keeps) and the tangents; with grad mode off (``mask``: a
-    narrower set of inputs than the graph's backward computes) the same graph, called plainly."""
+    narrower set of inputs than the graph's backward computes; ``plain``) the vjp's plain graph
+    (:meth:`CompiledGraph.vjp_graph`)."""
     primals = ctx.primals
     if primals is None:
         raise RuntimeError(_SECOND_BACKWARD)
@@ -503,7 +526,7 @@ def _differentiable_backward(ctx, cg, tangents, gouts, mask=None):
         record_fallback(cg.counters, f"order {cg.order + 1}: create_graph inside torch's vmap (batched grads): "
                         "torch.func.vjp of the function", cg.order + 1)
         return _func_vjp(cg.fn, primals, mask, tangents, meta.diff_outputs)
-    vg = cg.vjp_graph(mask, args)
+    vg = cg.vjp_graph(mask, args, plain)
     if vg is None:  # no grad requires grad: not None, but constants (the caller's first-order path)
         return None
     outs = list(vg.call(args))
