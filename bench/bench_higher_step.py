@@ -21,7 +21,7 @@ Methods (the same weights, data and update in all):
 * ``vjpgen runtime``: the eager step inside ``vjpgen.runtime.compiled_autograd("inductor")``;
 * ``vjpgen backend, forces compiled``: the part with the create_graph grads (energy and forces;
   the gradient penalty; the PINN residual) compiled with ``backend="vjpgen"`` under dynamo's
-  ``trace_autograd_ops`` (the structure of MLIP code: forces inside the compiled model), the other
+  ``trace_autograd_ops`` (set once for the process, as users set it; the structure of MLIP code: forces inside the compiled model), the other
   model calls through the model compiled with it, loss / ``backward()`` / update outside;
 * ``vjpgen backend, whole step``: one function (loss, ``torch.autograd.grad(loss, params)``,
   the update under ``no_grad``) compiled with ``backend="vjpgen"`` under ``trace_autograd_ops``;
@@ -109,6 +109,15 @@ COMPILING = (FORCES, WHOLE, WHOLE_GRADS, TC_WHOLE, TC_FUNC)
 
 def _tao():
     return torch._dynamo.config.patch(trace_autograd_ops=True)
+
+
+def set_trace_autograd_ops() -> None:
+    """dynamo's ``trace_autograd_ops`` on for the process, once, as a user sets it (mace's
+    ``prepare`` does): entering ``config.patch`` around every step instead cost the compiled
+    methods ~30 us a step (a class built per patch, two config writes each way), a tenth of a
+    whole step here. eager, the runtime and JAX never go through dynamo; ``torch.func.grad``
+    calls no ``torch.autograd.grad``."""
+    torch._dynamo.config.trace_autograd_ops = True
 
 
 # ------------------------------------------------------------------------------------------
@@ -361,33 +370,24 @@ def build_steps(net, data, inner, loss, loss_func, compiler, tc_backend) -> dict
     net_c = vjpgen_compile(net)
     forces = eager_like(net_c, inner_c)
 
-    def forces_step():
-        with _tao():
-            forces()
-
-    steps[FORCES] = forces_step
+    steps[FORCES] = forces
     whole_v = vjpgen_compile(_fresh_code(whole, "whole_step_vjpgen"))
     whole_t = torch.compile(_fresh_code(whole, "whole_step_torch"), backend=tc_backend, dynamic=False)
     func_t = torch.compile(func_step, backend=tc_backend, dynamic=False)
 
-    def run_tao(f):
-        def g():
-            with _tao():
-                f(*data)
+    def call(f):
+        return lambda: f(*data)
 
-        return g
-
-    steps[WHOLE] = run_tao(whole_v)
+    steps[WHOLE] = call(whole_v)
     whole_g = vjpgen_compile(_fresh_code(whole_grads, "whole_grads_vjpgen"))
 
     def whole_grads_step():
-        with _tao():
-            grads = whole_g(*data)
+        grads = whole_g(*data)
         with torch.no_grad():
             torch._foreach_add_(params, list(grads), alpha=-LR)
 
     steps[WHOLE_GRADS] = whole_grads_step
-    steps[TC_WHOLE] = run_tao(whole_t)
+    steps[TC_WHOLE] = call(whole_t)
     steps[TC_FUNC] = lambda: func_t(*data)
     return steps
 
@@ -779,6 +779,7 @@ def main(argv=None) -> int:
     a.rounds = a.rounds or (1 if a.smoke else 30)
     a.calls = a.calls or (2 if a.smoke else 10)
     torch.set_num_threads(1)
+    set_trace_autograd_ops()
     if not a.smoke and not a.no_jax and "jax" not in sys.modules:  # XLA's CPU threads, before jax is imported
         flags = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()

@@ -35,6 +35,12 @@ weights, each with its own Adam):
 * ``backend``: ``torch.compile(model, backend="vjpgen")`` (Inductor);
 * ``tc``: ``torch.compile(model)`` (Inductor, AOTAutograd) with ``trace_autograd_ops = False``;
 * ``tc-tao``: the same with ``torch._dynamo.config.trace_autograd_ops = True``;
+* ``backend-whole``: the model, the loss and ``torch.autograd.grad(loss, weights)`` in one function
+  compiled with ``torch.compile(step, backend="vjpgen")`` (Inductor) and ``trace_autograd_ops =
+  True``, the positions made to require grad before its call; the grads set as ``.grad`` and Adam
+  outside (issue 46's "whole step, update outside" for the real models; *mace* runs it as
+  *mace-pos*);
+* ``tc-whole``: the same function under ``torch.compile(step)`` (Inductor, AOTAutograd);
 * ``backend-check``: ``backend`` with ``VJPGEN_CHECK=1`` (vjpgen's debug mode: every compiled graph
   is also run eagerly and compared; a miscompile raises ``vjpgen.runtime.CheckError``), PaiNN only
   by default.
@@ -90,12 +96,17 @@ ENV = dict(os.environ)  # the children's environment: before mace's import sets 
 RESULTS = HERE / "results" / "potentials.md"
 CASE_PREFIX = "CASE-RESULT "
 MODELS = ("pair", "schnet", "painn", "mace")
-METHODS = ("eager", "runtime", "runtime-aot", "backend-aot", "backend", "tc", "tc-tao")
+METHODS = ("eager", "runtime", "runtime-aot", "backend-aot", "backend", "tc", "tc-tao", "backend-whole", "tc-whole")
+# the whole step in one compiled function: the positions require grad before its call (mace's
+# plain-positions row is mace-pos there)
+WHOLE = ("backend-whole", "tc-whole")
+POS_KEYS = ("pos", "_positions", "positions")
 CHECK_CASES = (("painn", "backend-check"),)
 # MACE with its positions requiring grad before the call (mace's prepare_graph skips its own
 # requires_grad_ while torch.compiler.is_compiling(), so every compiled call needs it): only the
 # compiling methods
-EXTRA_CASES = (("mace", (("mace-pos", "backend-aot"), ("mace-pos", "backend"), ("mace-pos", "tc-tao"))),)
+EXTRA_CASES = (("mace", (("mace-pos", "backend-aot"), ("mace-pos", "backend"), ("mace-pos", "tc-tao"),
+                         ("mace-pos", "backend-whole"), ("mace-pos", "tc-whole"))),)
 METHOD_TEXT = {
     "eager": "eager (reference vs itself)",
     "runtime": 'vjpgen runtime, `compiled_autograd("inductor")`',
@@ -105,6 +116,9 @@ METHOD_TEXT = {
     "tc": "`torch.compile(model)`, `trace_autograd_ops=False`",
     "tc-tao": "`torch.compile(model)`, `trace_autograd_ops=True`",
     "backend-check": '`torch.compile(model, backend="vjpgen")` (Inductor) with `VJPGEN_CHECK=1`',
+    "backend-whole": 'whole step in one function (model, loss, `autograd.grad` to the weights), '
+                     '`torch.compile(step, backend="vjpgen")` (Inductor), `trace_autograd_ops=True`; Adam outside',
+    "tc-whole": 'the same whole step, `torch.compile(step)` (Inductor), `trace_autograd_ops=True`; Adam outside',
 }
 ZS = (1, 6, 8)
 R_MAX = 5.0
@@ -346,11 +360,25 @@ def run_case(model_name: str, method: str, steps: int, reps: int, smoke: bool = 
     ref = copy.deepcopy(model)
     if method == "tc":
         torch._dynamo.config.trace_autograd_ops = False
-    elif method == "tc-tao":
+    elif method in ("tc-tao", *WHOLE):
         torch._dynamo.config.trace_autograd_ops = True
     res["trace_autograd_ops"] = bool(getattr(torch._dynamo.config, "trace_autograd_ops", False))
     compiler = "aot_eager" if smoke else "inductor"
-    if method.startswith("backend"):
+    if method in WHOLE:
+        weights = [p for p in model.parameters() if p.requires_grad]
+
+        def loss_and_grads(d):
+            out = call(model, d)
+            loss = ((out["energy"] - e_ref) ** 2).mean() + ((out["forces"] - f_ref) ** 2).mean()
+            return loss.detach(), torch.autograd.grad(loss, weights)
+
+        if method == "backend-whole":
+            opts = {"compiler": "aot_eager"} if smoke else None
+            whole = torch.compile(loss_and_grads, backend="vjpgen", options=opts)
+        else:
+            whole = torch.compile(loss_and_grads, backend="aot_eager" if smoke else "inductor")
+        target = model
+    elif method.startswith("backend"):
         opts = {"compiler": "aot_eager"} if (method == "backend-aot" or smoke) else None
         target = torch.compile(model, backend="vjpgen", options=opts)
     elif method.startswith("tc"):
@@ -362,6 +390,21 @@ def run_case(model_name: str, method: str, steps: int, reps: int, smoke: bool = 
     ctx = (lambda: rt.compiled_autograd(compiler)) if method.startswith("runtime") else None
 
     def make_step(m, opt, use_ctx):
+        if use_ctx == "whole":
+
+            def whole_step():
+                d = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+                for k in POS_KEYS:
+                    if k in d:
+                        d[k].requires_grad_(True)
+                loss, grads = whole(d)
+                for p, g in zip(weights, grads):
+                    p.grad = g
+                opt.step()
+                return loss
+
+            return whole_step
+
         def step():
             d = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
             out = call(m, d)
@@ -381,7 +424,7 @@ def run_case(model_name: str, method: str, steps: int, reps: int, smoke: bool = 
         return in_ctx
 
     eager_step = make_step(ref, torch.optim.Adam(ref.parameters(), 1e-3), None)
-    meth_step = make_step(target, torch.optim.Adam(model.parameters(), 1e-3), ctx)
+    meth_step = make_step(target, torch.optim.Adam(model.parameters(), 1e-3), "whole" if method in WHOLE else ctx)
     rt.reset_stats()
     counters.clear()
     stage = "first step"
@@ -578,7 +621,7 @@ def main(argv=None) -> int:
         timers, skipped = {}, {}
         for name in MODELS[1:]:
             skipped[name] = installed(name) or "not run in --smoke (the full run has it)"
-        for method in ("eager", "runtime", "backend"):
+        for method in ("eager", "runtime", "backend", "backend-whole"):
             r = run_case("pair", method, steps=2, reps=2, smoke=True)
             if not r["ok"]:
                 print(f"pair / {method}: {r['error']}\n" + "\n".join(r.get("traceback_tail", [])), file=sys.stderr)
@@ -594,7 +637,7 @@ def main(argv=None) -> int:
         return smoke_report("bench_potentials", timers, skipped)
 
     t_start = time.monotonic()
-    cases = [(m, k) for m in a.models.split(",") for k in a.methods.split(",")]
+    cases = [(m, k) for m in a.models.split(",") for k in a.methods.split(",") if not (m == "mace" and k in WHOLE)]
     for model_name, extra in EXTRA_CASES:
         if model_name in a.models.split(","):
             cases += [c for c in extra if c[1] in a.methods.split(",")]
