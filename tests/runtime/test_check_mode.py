@@ -18,8 +18,8 @@ def miscompile(monkeypatch):
     """Every graph compiled with aot_eager returns its floating outputs 1% off."""
     real = capture._compile_graph
 
-    def skewed(gm, fake_args, backend, patches=None):
-        fn = real(gm, fake_args, backend, patches)
+    def skewed(gm, fake_args, backend, patches=None, *rest):
+        fn = real(gm, fake_args, backend, patches, *rest)
 
         def run(args):
             return [o * 1.01 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in fn(args)]
