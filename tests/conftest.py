@@ -11,20 +11,27 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("VJPGEN_DISK_CACHE", "0")
 
 # `make test` runs the suite on two xdist workers (--dist loadfile, see the Makefile). The files
-# that take longest start first, so neither worker is left with one of them at the end; measured
-# with `pytest --durations`, in this order.
+# that take longest start first, so neither worker is left with one of them at the end; seconds per file from
+# `pytest -n 2 --dist loadfile --durations=0` on a fresh clone (2026-12-05), summed per file.
 SLOW_FIRST = (
-    "tests/test_conformance.py",  # its module fixture runs all of op_db
-    "tests/runtime/test_runtime_conformance.py",
-    "tests/test_bench_smoke.py",
+    "tests/runtime/test_structures.py",  # 67 s: the higher-order structure matrix, one Inductor case
+    "tests/runtime/test_semantics_matrix.py",  # 60 s: ~250 small cases and a few Inductor ones
+    "tests/test_bench_smoke.py",  # 51 s, three processes at a time
+    "tests/runtime/test_dynamo_backend.py",  # 32 s
+    "tests/runtime/test_fused_optim.py",  # 31 s
+    "tests/runtime/test_runtime_conformance.py",  # 28 s
+    "tests/runtime/test_fused_optim_reach.py",  # 27 s
+    "tests/test_conformance.py",  # 22 s: its module fixture runs all of op_db
+    "tests/distributed/test_backend_distributed.py",  # 17 s, ranks in processes
+    "tests/codegen/test_newer_release.py",  # 15 s
+    "tests/runtime/test_real_world.py",  # 14 s
+    "tests/runtime/test_disk_cache.py",  # 14 s: two processes, Inductor compiles in the first
+    "tests/distributed/test_fsdp2.py",  # 12 s
+    "tests/runtime/test_entry_contract.py",  # 11 s
+    "tests/runtime/test_checkpointing.py",  # 11 s
+    "tests/runtime/test_ca_kernels.py",  # 10 s
     "tests/test_conformance_modes.py",
-    "tests/runtime/test_semantics_matrix.py",  # ~250 small cases and a few Inductor ones
-    "tests/runtime/test_structures.py",  # the higher-order structure matrix, one Inductor case
-    "tests/runtime/test_fused_optim.py",
-    "tests/runtime/test_fused_optim_reach.py",
-    "tests/runtime/test_dynamo_backend.py",
     "tests/runtime/test_capture_direct.py",
-    "tests/runtime/test_disk_cache.py",  # two processes, Inductor compiles in the first
     "tests/codegen/test_generate.py",
     "tests/runtime/test_logs.py",  # three interpreters at once
     "tests/test_wheel.py",  # a wheel build and a venv
