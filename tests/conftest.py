@@ -11,8 +11,8 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("VJPGEN_DISK_CACHE", "0")
 
 # `make test` runs the suite on two xdist workers (--dist loadfile, see the Makefile). The files
-# that take longest start first, so neither worker is left with one of them at the end; seconds per file from
-# `pytest -n 2 --dist loadfile --durations=0` on a fresh clone (2026-12-05), summed per file.
+# that take longest start first, so neither worker is left with one of them at the end; seconds
+# per file from `pytest -n 2 --dist loadfile --durations=0` on a fresh clone (2026-12-05), summed.
 SLOW_FIRST = (
     "tests/runtime/test_structures.py",  # 67 s: the higher-order structure matrix, one Inductor case
     "tests/runtime/test_semantics_matrix.py",  # 60 s: ~250 small cases and a few Inductor ones

@@ -302,13 +302,12 @@ class InferenceGraph:
     autograd node. Inputs it mutates get their new values after the call, as AOTAutograd's
     inference graphs write them back."""
 
-    def __init__(self, fw, n_out: int, mutated: tuple, gm):
+    def __init__(self, fw, n_out: int, mutated: tuple, gm, deps: tuple):
         self.fw = fw  # boxed: inputs -> outputs + mutated inputs' new values
         self.n_out = n_out
         self.mutated = mutated
         self.gm = gm
-        # per output: the inputs it depends on (as CompiledGraph.fw_deps, for a vjp's grads)
-        self.fw_deps = tuple(capture.output_deps(gm)[:n_out])
+        self.fw_deps = deps  # per output: the inputs it depends on (as CompiledGraph.fw_deps)
 
     @classmethod
     def build(cls, fn, fakes, fake_mode, meta, compiler: str, label: str, patches, counters,
@@ -316,12 +315,14 @@ class InferenceGraph:
         with capture.LOCK:
             gm = stages.trace(fn, fakes, fake_mode, meta, compiler)
             joint_passes.run(gm)
+            n_out = len(meta.out_kinds)
+            deps = tuple(capture.output_deps(gm)[:n_out])  # (before the compiler's rewrites of gm)
             what = f"{label} (no differentiable output, {meta.expanded} grad call(s) expanded)"
             with stages.own_tracing_context(fake_mode):
                 fw = capture.compile_graph(gm, list(fakes), compiler, f"the {what}", patches)
         if counter is not None:
             counters[counter] += 1
-        return cls(fw, len(meta.out_kinds), meta.mutated, gm)
+        return cls(fw, n_out, meta.mutated, gm, deps)
 
     def call(self, args: list):
         """Its outputs for ``args``, without grad (a vjp's grads where the backward runs without
