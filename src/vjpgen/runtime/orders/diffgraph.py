@@ -462,17 +462,8 @@ class GraphFn(torch.autograd.Function):
             if mask != tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs)):
                 # grads the running backward does not use are not computed (eager's node does not
                 # compute them, and their kernels may raise): the vjp for the inputs it uses
-                primals = ctx.primals
+                # (one plain compiled graph of that vjp, constant ones included: never None)
                 grads = _differentiable_backward(ctx, cg, tangents, gouts, mask, plain=True)
-                if grads is None:  # a vjp that is constant in the inputs (nothing to compile it
-                    # as a differentiable graph for): vjpgen's kernels run on the real tensors
-                    wrt = tuple(i for i, m in enumerate(mask) if m)
-                    fn = joint.vjp_fn(cg.fn, meta.n_inputs, wrt, meta.diff_outputs)
-                    outs = EagerVjp(fn, "constant vjp").call([*primals, *tangents])
-                    cg.counters["uncompiled_vjp_calls"] += 1
-                    grads = [None] * meta.n_inputs
-                    for i, g in zip(wrt, outs):  # (None: the grad does not reach that input: zero)
-                        grads[i] = None if g is None else g.detach()
                 return (None, None, *grads)
         _check_versions(ctx, cg.saved_inputs)
         args = cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents)
@@ -533,6 +524,8 @@ def _differentiable_backward(ctx, cg, tangents, gouts, mask=None, plain=False):
     outs = list(vg.call(args))
     if isinstance(vg, EagerVjp):  # (it computes only the grads some tangent reaches)
         cg.counters["uncompiled_vjp_calls"] += 1
+        if plain:  # (computed with grad mode on; the backward asking for them runs without it)
+            outs = [None if o is None else o.detach() for o in outs]
     else:
         _undefine(outs, vg.fw_deps, gouts, meta.diff_outputs, meta.n_inputs)
     res = [None] * meta.n_inputs
