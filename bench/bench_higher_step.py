@@ -107,10 +107,6 @@ VJPGEN_BACKEND = (FORCES, WHOLE, WHOLE_GRADS)
 COMPILING = (FORCES, WHOLE, WHOLE_GRADS, TC_WHOLE, TC_FUNC)
 
 
-def _tao():
-    return torch._dynamo.config.patch(trace_autograd_ops=True)
-
-
 def set_trace_autograd_ops() -> None:
     """dynamo's ``trace_autograd_ops`` on for the process, once, as a user sets it (mace's
     ``prepare`` does): entering ``config.patch`` around every step instead cost the compiled
@@ -476,7 +472,7 @@ def warm_up(compiler, tc_backend):
         return (g**2).sum()
 
     x = torch.randn(4, 3)
-    with _cold(), _tao():
+    with _cold():  # (trace_autograd_ops: set_trace_autograd_ops, before this)
         torch.compile(_fresh_code(f, "warm_v"), backend="vjpgen", options={"compiler": compiler})(x).backward()
         torch.compile(_fresh_code(f, "warm_t"), backend=tc_backend)(x).backward()
     torch._dynamo.reset()
