@@ -861,3 +861,38 @@ def test_a_make_fx_graph_returning_an_aten_view_of_an_input_is_compiled_by_vjpge
         torch.testing.assert_close(g, r)
     b = rt.stats()["backend"]
     assert not b["fallbacks"] and b["compiles"].get(1) == 1, b
+
+
+def test_in_place_writes_kept_where_an_output_views_an_input():
+    """A graph with an output that views an input is split (the views beside the compiled graph);
+    the compiled part's copy must keep the in-place writes whose results nothing reads: e3nn /
+    nequip fill ``z = h.new_zeros(...); z.copy_(h)``, a buffer counts ``n += 1``. Dropping them
+    (fx counts a method call pure) trained NequIP on a wrong energy without a word; the views'
+    copy must not make the writes a second time."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 5)
+
+    def f(data, count):
+        h = lin(data["x"])
+        z = h.new_zeros(h.shape)
+        z.copy_(h)
+        q = torch.zeros_like(h)
+        q.add_(h.cos())
+        r = torch.zeros_like(h)
+        r[:, 1:] = h[:, 1:].sin()
+        count += 1
+        return (z.sin() + q + r).sum() + 0.1 * h.sum(), data["cell"].view(-1)
+
+    x, cell = torch.randn(4, 3), torch.randn(3, 3)
+    out = []
+    for fn in (f, _compiled(f)):
+        lin.zero_grad()
+        count = torch.zeros(())
+        e, c = fn({"x": x, "cell": cell}, count)
+        e.backward()
+        assert c._base is cell
+        out.append((e.detach(), lin.weight.grad.clone(), lin.bias.grad.clone(), count.clone()))
+    for what, a, b in zip(("energy", "weight.grad", "bias.grad", "count"), out[0], out[1]):
+        _close(a, b, what)
+    b = _backend()
+    assert b["fallbacks"] == 0 and b["compiles"].get(1), b

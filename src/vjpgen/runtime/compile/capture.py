@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import re
 import threading
@@ -686,17 +687,52 @@ def checking() -> bool:
     return os.environ.get("VJPGEN_CHECK", "0").strip() not in ("", "0")
 
 
-def copy_graph(gm: torch.fx.GraphModule, keep=None) -> torch.fx.GraphModule:
+def copy_graph(gm: torch.fx.GraphModule, keep=None, mutations: bool = True) -> torch.fx.GraphModule:
     """A copy of ``gm`` (same inputs) that a compiler's in-place rewrites of ``gm`` leave alone;
     ``keep``: one bool per output of a tuple-returning graph, the outputs the copy returns (the
-    ops only the others read are dropped)."""
+    ops only the others read are dropped). Ops that write in place stay, with what they read, even
+    where nothing reads their result (``z = h.new_zeros(...); z.copy_(h)``: fx counts a method
+    call pure, and dropping it left ``z`` zeros, a wrong function); ``mutations=False`` drops them
+    too (a copy that runs after ``gm`` has made them)."""
     g = torch.fx.Graph()
     out = g.graph_copy(gm.graph, {})
     if keep is not None:
         out = tuple(v for v, k in zip(out, keep) if k)
     g.output(out)
-    g.eliminate_dead_code()
+    g.eliminate_dead_code(is_impure_node=_keeps_effects if mutations else _fx_impure)
     return torch.fx.GraphModule(gm, g)
+
+
+# in-place operators dynamo records as calls (``x += y`` on a tensor writes x)
+_INPLACE_OPERATORS = frozenset(
+    getattr(operator, n) for n in ("setitem", "delitem", "iadd", "isub", "imul", "imatmul", "itruediv",
+                                   "ifloordiv", "imod", "ipow", "iand", "ior", "ixor", "ilshift", "irshift")
+)
+
+
+def _fx_impure(n: torch.fx.Node) -> bool:
+    if n.op == "call_module":  # (the copy has no owning module to ask; a module may update buffers)
+        return True
+    return n.is_impure()
+
+
+def _keeps_effects(n: torch.fx.Node) -> bool:
+    """A node dead-code elimination must keep although nothing reads its result: what fx counts
+    impure, and every in-place write (a method or function named with a trailing underscore, an op
+    whose schema writes an argument, an ``out=`` call, an in-place operator)."""
+    if _fx_impure(n):
+        return True
+    if n.op == "call_method":
+        return n.target.endswith("_") and not n.target.endswith("__")
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if "out" in n.kwargs or t in _INPLACE_OPERATORS:
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable
+    name = getattr(t, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
 
 def _checked(fn, ref: torch.fx.GraphModule, label: str, compiler: str):

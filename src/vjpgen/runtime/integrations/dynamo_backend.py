@@ -185,8 +185,10 @@ def _split_view_outputs(gm: torch.fx.GraphModule):
 
     main_pos = [j for j, v in enumerate(is_view) if not v]
     view_pos = [j for j, v in enumerate(is_view) if v]
+    # (the views run after the compiled main graph, which made the graph's in-place writes: their
+    # copy keeps only the view ops)
     return ((capture.copy_graph(gm, [not v for v in is_view]), main_pos),
-            (capture.copy_graph(gm, is_view), view_pos))
+            (capture.copy_graph(gm, is_view, mutations=False), view_pos))
 
 
 def _with_views(run, main_pos, views_gm, view_pos):
