@@ -49,3 +49,17 @@ def run_both(rank, world_size, reshard_after_forward):
         train(rank, world_size, reshard_after_forward, False),
         train(rank, world_size, reshard_after_forward, True),
     )
+
+
+def run_all(rank, world_size, flags):
+    """{reshard_after_forward: run_both(...)} for each of ``flags``, in one job (one pair of rank
+    processes and one process group for all of them); vjpgen's compiled regions are dropped before
+    each, so each flag's backward compiles as it would in a job of its own."""
+    import vjpgen.runtime as rt
+
+    out = {}
+    for flag in flags:
+        rt.clear_cache()
+        out[flag] = run_both(rank, world_size, flag)
+    rt.clear_cache()
+    return out

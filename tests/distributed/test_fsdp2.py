@@ -1,18 +1,23 @@
 """FSDP2 on 2 gloo ranks: vjpgen's backward gives eager FSDP2's sharded grads over 3 SGD steps,
-with nested fully_shard and reshard_after_forward True and False."""
+with nested fully_shard and reshard_after_forward True and False (both in one job: the ranks start
+once for the file)."""
 
 import pytest
 import torch
 
 from tools import ranks
-from .fsdp_cases import run_both
+from .fsdp_cases import run_all
 
 pytestmark = pytest.mark.timeout(240)
 
+FLAGS = [True, False]
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_fsdp2_sharded_grads_match_eager(reshard_after_forward):
-    results = ranks.run(run_both, reshard_after_forward, timeout=200)
+results = ranks.results_fixture(run_all, FLAGS)
+
+
+@pytest.mark.parametrize("reshard_after_forward", FLAGS)
+def test_fsdp2_sharded_grads_match_eager(results, reshard_after_forward):
+    results = [per_flag[reshard_after_forward] for per_flag in results]  # (eager, ours) per rank
     for rank, (eager, ours) in enumerate(results):
         ge, pe, _ = eager
         gv, pv, stats = ours
