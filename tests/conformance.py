@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import sys
 import time
@@ -61,6 +62,27 @@ from vjpgen.codegen.verify import (  # noqa: F401 - the edge-value run, also the
     edge_samples,
     run_edges,
 )
+
+@contextlib.contextmanager
+def cpu_manual_seed():
+    """Inside: ``torch.manual_seed`` seeds the CPU generator alone, where no accelerator is
+    available (elsewhere it is left as is).
+
+    torch's own also queues the seed for every lazy device (CUDA, XPU, MTIA), formatting the
+    caller's stack for each: about 0.5 ms a call under pytest's deep stack, seconds over op_db
+    (verify.check_sample seeds before each of its ~14,000 samples). Without an accelerator those
+    queued seeds are never used, and the CPU generator gets the same seed: every sample draws the
+    same values. (``sample_inputs`` sidesteps the same cost for the samples themselves.)"""
+    if torch.accelerator.is_available():
+        yield
+        return
+    real = torch.manual_seed
+    torch.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    try:
+        yield
+    finally:
+        torch.manual_seed = real
+
 
 def _leaf_grads_ca(outs, leaves, gos, vjpgen_kernels: bool):
     """Grads of ``leaves`` through torch's compiled autograd (eager compiler: the captured graph
@@ -121,6 +143,7 @@ def _record(results, names, label, status, reason) -> None:
             r.reasons[f"{status}: {reason}"] += 1
 
 
+@cpu_manual_seed()
 def run_compiled_autograd(op_names=None, dtypes=("float64",), max_samples=2, log=None):
     """The compiled-autograd mode: {node class: ClassResult} over the samples' whole backwards.
 
@@ -323,6 +346,7 @@ def _ho_sample(op, s):
     return outs, leaves
 
 
+@cpu_manual_seed()
 def run_higher_order(op_names=None, dtypes=("float64",), max_samples=1, third_order_ops=(), log=None,
                      backend="eager"):
     """The higher-order mode: {node class: ClassResult} over the samples' graphs (every class of a
