@@ -34,11 +34,16 @@ def _results_state():
 
 # One interpreter imports torch, dynamo and vjpgen once and forks a child per script (PARALLEL at a
 # time), which runs it as ``python bench/<script> --smoke`` would (``__main__``, its folder first on
-# sys.path): nine interpreters importing torch cost ~30 s of the suite's two cores. Each child's
-# output goes to files; the launcher prints one JSON line {script: [returncode, seconds]}.
+# sys.path): nine interpreters importing torch cost ~30 s of the suite's two cores. The launcher also
+# imports what most scripts' first compile or timer imports lazily (AOTAutograd, Inductor's modules,
+# sympy, the profiler and benchmark utilities: ~0.5 s a script); nothing runs before the fork.
+# Each child's output goes to files; the launcher prints one JSON line {script: [returncode, seconds]}.
 LAUNCHER = r"""
 import json, os, runpy, signal, sys, time, traceback
 import torch, torch._dynamo, vjpgen.runtime  # noqa: F401  (what every script imports, once)
+import sympy, networkx, jinja2  # noqa: F401
+import torch._functorch.aot_autograd, torch._inductor.compile_fx, torch.fx.experimental.proxy_tensor  # noqa: F401
+import torch._higher_order_ops, torch.export, torch.distributed, torch.profiler, torch.utils.benchmark  # noqa: F401
 out_dir, timeout_s, parallel, scripts = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 
 def child(script, name):
