@@ -77,8 +77,20 @@ def _check(case, backend, via):
     return rt.stats()
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("case", [_rope_case, _complex_abs_case], ids=["rope", "view_as_complex_abs"])
+def _complex_views_case():
+    """Both complex-view patterns in one backward (independent subgraphs of one region)."""
+    loss_a, params_a = _rope_case()
+    loss_b, params_b = _complex_abs_case()
+    return loss_a + loss_b, params_a + params_b
+
+
+# Under Inductor the two patterns go through one compile (each is a C++ build of several seconds
+# with complex fallbacks): one region, no break, no fallback, eager's grads for both, as each alone.
+@pytest.mark.parametrize("case, backend", [
+    pytest.param(_rope_case, "aot_eager", id="rope-aot_eager"),
+    pytest.param(_complex_abs_case, "aot_eager", id="view_as_complex_abs-aot_eager"),
+    pytest.param(_complex_views_case, "inductor", id="rope+view_as_complex_abs-inductor"),
+])
 def test_complex_views_compile_in_one_region(case, backend):
     s = _check(case, backend, "backward")
     assert (s["compiles"], s["graph_breaks"], s["eager_fallbacks"]) == (1, 0, 0), s
