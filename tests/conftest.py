@@ -45,7 +45,29 @@ def _slow_rank(nodeid: str) -> int:
     return len(SLOW_FIRST)
 
 
+def _untraced_structured_log():
+    """torch's structured trace log (``torch._logging._internal.trace_log``, tlparse's input) does
+    its work (metadata, a captured stack, a JSON payload per event: every fake tensor described,
+    every symbol and guard of every compile) only while that logger has a handler. Outside fbcode
+    and without ``TORCH_TRACE`` its one handler (LazyTraceHandler) removes itself at the first
+    event, so a user's process skips all of it. But the logger does not propagate, and pytest's
+    logging plugin attaches its capture handlers to every non-propagating logger for each test: the
+    whole suite paid for the trace (7-15% of a compile-heavy test's time) and nobody read it. Here
+    the lazy handler goes as it would at its first event and the logger propagates (nothing is ever
+    logged to it without a handler), so pytest leaves it alone. With ``TORCH_TRACE`` (or
+    ``TORCH_COMPILE_DEBUG``) set, the trace is kept."""
+    import torch._logging._internal as tl
+
+    lazy = [h for h in tl.trace_log.handlers if isinstance(h, tl.LazyTraceHandler)]
+    if any(h.root_dir is not None for h in lazy):
+        return
+    for h in lazy:
+        tl.trace_log.removeHandler(h)
+    tl.trace_log.propagate = True
+
+
 def pytest_configure(config):
+    _untraced_structured_log()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # one intra-op thread per worker: two workers with two threads each on two cores spin
         # against each other
