@@ -51,7 +51,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -60,8 +59,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # bench/smoke.py; examples/ and tools/
 
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # cold Inductor caches for first-step times
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="vjpgen-bench-inductor-")
+from scratch import env_scratch_dir, scratch_dir  # noqa: E402  (removed at exit)
+
+env_scratch_dir("TORCHINDUCTOR_CACHE_DIR", "vjpgen-bench-inductor-")  # cold Inductor caches for first-step times
 # Inductor compiles in this process, not in a pool of worker processes: the first torch.compile
 # starts the pool, whose workers import torch in the background for tens of seconds, and on this
 # 2-core machine every time measured meanwhile (eager's too) was up to 2x slower
@@ -444,7 +444,7 @@ def bench_model(name, device, threads, rounds, min_run_time, log):
     from torch._inductor.utils import fresh_cache
 
     def cold():
-        return fresh_cache(dir=tempfile.mkdtemp(prefix="inductor-", dir=os.environ["TORCHINDUCTOR_CACHE_DIR"]),
+        return fresh_cache(dir=scratch_dir("inductor-", dir=os.environ["TORCHINDUCTOR_CACHE_DIR"]),
                            delete=False)
 
     # vjpgen
@@ -979,7 +979,7 @@ def main(argv=None) -> int:
         a.models, a.rounds, a.min_run_time, a.overhead_sizes = "mlp", 1, 0.002, "20,60"
         a.backend, a.no_cuda = "aot_eager", True
         if a.out == str(RESULTS):
-            a.out = tempfile.mkdtemp(prefix="vjpgen-bench-smoke-")
+            a.out = scratch_dir("vjpgen-bench-smoke-")
     BACKEND = a.backend
     torch.set_num_threads(a.threads)  # before any compile: Inductor sizes its OpenMP loops by it
     t_start = time.time()

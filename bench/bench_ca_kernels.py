@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_backward import MODELS  # noqa: E402
+from scratch import scratch_dir  # noqa: E402  (removed at exit)
 
 import vjpgen.runtime as rt  # noqa: E402
 from vjpgen.runtime.integrations import ca_kernels  # noqa: E402
@@ -100,7 +100,7 @@ def bench_model(name, backend, rounds, log):
     res = {"model": name}
     first, times, graphs, diff = {k: [] for k in KINDS}, {k: [] for k in KINDS}, {}, {}
     res["segments"] = []  # (kind, first backward s or None, median steady ms), in order
-    warm = tempfile.mkdtemp(prefix="inductor-ca-")
+    warm = scratch_dir("inductor-ca-")
     ref = None
     order = [ORDER[i % len(ORDER)] for i in range(2 * max(2, rounds))]
     for i, kind in enumerate(order):
@@ -115,7 +115,7 @@ def bench_model(name, backend, rounds, log):
         torch._C._dynamo.compiled_autograd.clear_cache()
         rt.set_compiled_autograd_kernels(kind == "vjpgen")
         seen = []
-        with fresh_cache(dir=tempfile.mkdtemp(prefix="inductor-ca-") if cold else warm), _ctx(backend, seen):
+        with fresh_cache(dir=scratch_dir("inductor-ca-") if cold else warm), _ctx(backend, seen):
             t0 = time.perf_counter()
             loss.backward(retain_graph=True)
             if cold:
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     global OUT, STEADY_S
     if a.smoke:
         a.models, a.backend, a.rounds = "mlp", "aot_eager", 2
-        OUT, STEADY_S = Path(tempfile.mkdtemp(prefix="vjpgen-bench-smoke-")), 0.02
+        OUT, STEADY_S = Path(scratch_dir("vjpgen-bench-smoke-")), 0.02
     torch.set_num_threads(a.threads)
     warm_up(a.backend)
     results = [bench_model(n, a.backend, a.rounds, lambda s: print(s, flush=True)) for n in a.models.split(",")]

@@ -116,10 +116,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     global RESULTS
     if a.smoke:
-        import tempfile
+        from scratch import scratch_dir  # (removed at exit)
 
         a.rounds, a.steps_per_turn, a.backend, a.timeout, a.model = 1, 1, "aot_eager", 300.0, "mlp"
-        RESULTS = pathlib.Path(tempfile.mkdtemp(prefix="vjpgen-bench-smoke-"))
+        RESULTS = pathlib.Path(scratch_dir("vjpgen-bench-smoke-"))
     import torch
 
     res = ranks.run(_rank, a.rounds, a.steps_per_turn, a.backend, a.model, timeout=a.timeout)

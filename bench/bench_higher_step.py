@@ -59,7 +59,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -68,10 +67,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tools/
 sys.path.insert(0, str(ROOT / "bench"))
 
-if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # cold Inductor caches for first-step times
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="vjpgen-bench-hstep-inductor-")
+from scratch import env_scratch_dir, scratch_dir  # noqa: E402  (removed at exit)
+
+env_scratch_dir("TORCHINDUCTOR_CACHE_DIR", "vjpgen-bench-hstep-inductor-")  # cold Inductor caches for first-step times
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-os.environ.setdefault("VJPGEN_DISK_CACHE", tempfile.mkdtemp(prefix="vjpgen-bench-hstep-disk-"))
+env_scratch_dir("VJPGEN_DISK_CACHE", "vjpgen-bench-hstep-disk-")
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -430,7 +430,7 @@ def jax_step(net, data, jax_loss_factory):
 def _cold():
     from torch._inductor.utils import fresh_cache
 
-    return fresh_cache(dir=tempfile.mkdtemp(prefix="inductor-", dir=os.environ["TORCHINDUCTOR_CACHE_DIR"]),
+    return fresh_cache(dir=scratch_dir("inductor-", dir=os.environ["TORCHINDUCTOR_CACHE_DIR"]),
                        delete=False)
 
 

@@ -50,7 +50,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -58,6 +57,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_backward as bb  # noqa: E402  (sets the Inductor cache and compile-thread env first)
+from scratch import scratch_dir  # noqa: E402  (removed at exit)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -284,7 +284,7 @@ def bench_model(name, device, threads, rounds, min_run_time, backend, smoke, log
     counters.clear()
 
     def cold():
-        return fresh_cache(dir=tempfile.mkdtemp(prefix="inductor-", dir=os.environ["TORCHINDUCTOR_CACHE_DIR"]),
+        return fresh_cache(dir=scratch_dir("inductor-", dir=os.environ["TORCHINDUCTOR_CACHE_DIR"]),
                            delete=False)
 
     def fwd(m):
@@ -607,7 +607,7 @@ def main(argv=None) -> int:
             a.models = ",".join(SMOKE_MODELS)
         bb.BREAKDOWN_S = 0.05
         if a.out is None:
-            a.out = str(Path(tempfile.mkdtemp(prefix="vjpgen-bench-smoke-")) / "models.md")
+            a.out = str(Path(scratch_dir("vjpgen-bench-smoke-")) / "models.md")
     out_md = Path(a.out) if a.out else RESULTS / "models.md"
     torch.set_num_threads(a.threads)
     bb.BACKEND = a.backend

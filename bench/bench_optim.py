@@ -62,14 +62,15 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
 
 # vjpgen's own on-disk compile cache fresh for the run: a first step must not load what an earlier run compiled
-os.environ.setdefault("VJPGEN_DISK_CACHE", tempfile.mkdtemp(prefix="vjpgen-bench-optim-disk-"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scratch import env_scratch_dir, scratch_dir  # noqa: E402  (removed at exit)
+
+env_scratch_dir("VJPGEN_DISK_CACHE", "vjpgen-bench-optim-disk-")
 import bench_step as bs  # noqa: E402  (bench_backward's Inductor cache and compile-thread env first)
 
 import torch  # noqa: E402
@@ -598,7 +599,7 @@ def parse(argv):
     if a.smoke:
         vars(a).update(SMOKE)
         a.models = ",".join(SMOKE_MODELS) if a.models == ",".join(bs.MODELS) else a.models
-        a.out = a.out or str(Path(tempfile.mkdtemp(prefix="vjpgen-bench-smoke-")) / "optim.md")
+        a.out = a.out or str(Path(scratch_dir("vjpgen-bench-smoke-")) / "optim.md")
     return a
 
 

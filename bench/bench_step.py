@@ -65,17 +65,17 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_backward as bb  # noqa: E402  (sets the Inductor cache and compile-thread env first)
+from scratch import env_scratch_dir, scratch_dir  # noqa: E402  (removed at exit)
 
 # vjpgen's own on-disk compile cache fresh for the run too: a first step must not load what an
 # earlier run compiled
-os.environ.setdefault("VJPGEN_DISK_CACHE", tempfile.mkdtemp(prefix="vjpgen-bench-step-disk-"))
+env_scratch_dir("VJPGEN_DISK_CACHE", "vjpgen-bench-step-disk-")
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -159,7 +159,7 @@ def _cold():
     """Empty Inductor caches (on disk and in memory) for a first step."""
     from torch._inductor.utils import fresh_cache
 
-    return fresh_cache(dir=tempfile.mkdtemp(prefix="inductor-", dir=os.environ["TORCHINDUCTOR_CACHE_DIR"]),
+    return fresh_cache(dir=scratch_dir("inductor-", dir=os.environ["TORCHINDUCTOR_CACHE_DIR"]),
                        delete=False)
 
 
@@ -1061,7 +1061,7 @@ def main(argv=None) -> int:
         if a.workloads == ",".join(WORKLOADS):
             a.workloads = ",".join(SMOKE_WORKLOADS)
         if a.out is None:
-            a.out = str(Path(tempfile.mkdtemp(prefix="vjpgen-bench-smoke-")) / "step.md")
+            a.out = str(Path(scratch_dir("vjpgen-bench-smoke-")) / "step.md")
     out_md = Path(a.out) if a.out else RESULTS
     torch.set_num_threads(a.threads)
     if a.threads == 1 and "jax" not in sys.modules:  # XLA's CPU threads, before jax is imported

@@ -111,7 +111,9 @@ def main(argv=None) -> int:
     rounds = 1 if a.smoke else a.rounds
     steps = 3 if a.smoke else a.steps
     if a.smoke and a.out == str(RESULTS):
-        a.out = tempfile.mkdtemp(prefix="bench-warm-start-")
+        from scratch import scratch_dir  # (removed at exit)
+
+        a.out = scratch_dir("bench-warm-start-")
     if not a.smoke:  # (the smoke run's environment has it already)
         subprocess.run([sys.executable, "-m", "vjpgen", "native"], check=True, capture_output=True)
     runs: dict = {c: [] for c in columns}
