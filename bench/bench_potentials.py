@@ -1,6 +1,7 @@
 """Bench: real machine-learned interatomic potentials trained as their users train them.
 
-    python bench/bench_potentials.py [--models pair,schnet,painn,mace] [--methods ...] [--steps 3] [--reps 5]
+    python bench/bench_potentials.py [--models pair,schnet,painn,mace,nequip] [--methods ...] [--steps 3] [--reps 5]
+                                     [--nequip-python /path/to/venv/bin/python]
     python bench/bench_potentials.py --smoke   (the built-in pair potential, aot_eager, seconds; writes nothing)
 
 The structure every MLIP package has: the model computes the energy and, inside its forward,
@@ -23,6 +24,13 @@ three random molecules of 5-12 atoms (H, C, O; seed 0; edges within 5 A):
   caller makes the positions require grad, as mace's ``MACECalculator`` does when it compiles.
   *mace* calls the model with plain positions (fails under every torch.compile method, by mace's
   design); *mace-pos* makes them require grad before the call.
+* ``nequip``: nequip 0.19.1's ``NequIPGNNModel`` (2 layers, l_max 1, 8 features, radial MLP 16 wide,
+  float32) on the same molecules, batched by nequip's own ``from_ase``,
+  ``ChemicalSpeciesToAtomTypeMapper`` and ``NeighborListTransform``; its ``ForceStressOutput``
+  computes the forces. nequip needs e3nn 0.6 and mace-torch pins e3nn 0.4.4, so they cannot share a
+  venv: ``--nequip-python`` names the interpreter of a venv that has nequip and vjpgen (below), and
+  the nequip cases run there (each case is a process of its own anyway). Without it they run in this
+  interpreter when nequip imports here, else they are skipped.
 
 Methods (each ``(model, method)`` in a subprocess of its own, so that a process abort is recorded
 as one; inside it the eager reference and the method alternate step by step, from the same
@@ -67,7 +75,12 @@ has the bench extra::
 and it imports under torch 2.13 only with the shim in :func:`_import_schnetpack` (its
 ``schnetpack.data`` imports ``T_co`` from ``torch.utils.data.dataloader``, which torch 2.13 no
 longer defines; the shim defines it before the import, in this process only). mace-torch must be
-imported before e3nn (:func:`_import_mace`).
+imported before e3nn (:func:`_import_mace`). NequIP, in a venv of its own with the same torch::
+
+    python -m venv /tmp/venv-nequip && /tmp/venv-nequip/bin/pip install torch==<this torch> nequip==0.19.1
+    /tmp/venv-nequip/bin/pip install --no-deps -e .      # vjpgen, from this checkout
+    python bench/bench_potentials.py --models nequip --nequip-python /tmp/venv-nequip/bin/python \
+        --out bench/results/potentials_nequip.md
 """
 
 from __future__ import annotations
@@ -95,7 +108,7 @@ HERE = Path(__file__).resolve().parent
 ENV = dict(os.environ)  # the children's environment: before mace's import sets its variable
 RESULTS = HERE / "results" / "potentials.md"
 CASE_PREFIX = "CASE-RESULT "
-MODELS = ("pair", "schnet", "painn", "mace")
+MODELS = ("pair", "schnet", "painn", "mace", "nequip")
 METHODS = ("eager", "runtime", "runtime-aot", "backend-aot", "backend", "tc", "tc-tao", "backend-whole", "tc-whole")
 # the whole step in one compiled function: the positions require grad before its call (mace's
 # plain-positions row is mace-pos there)
@@ -284,8 +297,37 @@ def build_mace(mols, pos_requires_grad=False):
     return model, inputs, call, (b["energy"], b["forces"])
 
 
+def build_nequip(mols):
+    import ase
+    from nequip.data import AtomicDataDict, from_ase
+    from nequip.data.transforms import ChemicalSpeciesToAtomTypeMapper, NeighborListTransform
+    from nequip.model import NequIPGNNModel
+    from nequip.utils.global_state import set_global_state
+
+    set_global_state()
+    torch.set_default_dtype(torch.float32)  # (nequip's global state sets float64; model and data are float32)
+    names = ["H", "C", "O"]
+    to_types = ChemicalSpeciesToAtomTypeMapper(model_type_names=names,
+                                               chemical_species_to_atom_type_map={n: n for n in names})
+    neighbors = NeighborListTransform(r_max=R_MAX)
+    frames = [neighbors(to_types(from_ase(ase.Atoms(numbers=m["z"].numpy(), positions=m["pos"].double().numpy()))))
+              for m in mols]
+    data = AtomicDataDict.batched_from_list(frames)
+    inputs = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in data.items()}
+    model = NequIPGNNModel(seed=0, model_dtype="float32", type_names=names, r_max=R_MAX, num_layers=2, l_max=1,
+                           num_features=8, radial_mlp_width=16, radial_mlp_depth=1, avg_num_neighbors=8.0)
+
+    def call(m, d):
+        out = m(d)
+        return {"energy": out["total_energy"].squeeze(-1), "forces": out["forces"]}
+
+    return model, inputs, call, (torch.stack([m["energy"] for m in mols]), torch.cat([m["forces"] for m in mols]))
+
+
 def build(name, smoke=False):
     mols = molecules(n_mol=2 if smoke else 3, lo=5, hi=6 if smoke else 12)
+    if name == "nequip":
+        return build_nequip(mols)
     if name == "pair":
         return build_pair(mols, smoke)
     if name in ("schnet", "painn"):
@@ -302,6 +344,8 @@ def installed(name) -> str | None:
             _import_schnetpack()
         elif name.startswith("mace"):
             _import_mace()
+        elif name == "nequip":
+            import nequip  # noqa: F401
     except Exception as e:  # ImportError, or the import failing inside the package
         return f"not installed ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
     return None
@@ -318,6 +362,13 @@ def _first_line(e: BaseException, n=240) -> str:
         fn = re.search(r"call_function <function (\w+)", msg)
         return f"{type(e).__name__}: dynamo's fake-tensor run of `{fn.group(1) if fn else '?'}` got {got.group(1)}"
     return f"{type(e).__name__}: {msg[:n]}"
+
+
+def _scrub(line: str) -> str:
+    """A traceback line without this machine's paths (the results are committed): a package's
+    file from ``site-packages/``, the checkout's from its root."""
+    line = re.sub(r"/[^\s\"']*/site-packages/", "site-packages/", line)
+    return line.replace(str(HERE.parent) + "/", "")
 
 
 def _param_error(model, ref):
@@ -450,7 +501,7 @@ def run_case(model_name: str, method: str, steps: int, reps: int, smoke: bool = 
         res.update(eager_ms=te, method_ms=tm, ok=True)
     except Exception as e:
         res["error"] = f"{stage}: {_first_line(e, 400 if isinstance(e, rt.CheckError) else 240)}"
-        res["traceback_tail"] = traceback.format_exc().splitlines()[-12:]
+        res["traceback_tail"] = [_scrub(ln) for ln in traceback.format_exc().splitlines()[-12:]]
     breaks = counters.get("graph_break", {})
     res["dynamo_breaks"] = sum(breaks.values())
     res["dynamo_break_reasons"] = {k.strip().splitlines()[0][:160]: v for k, v in sorted(breaks.items(), key=lambda kv: -kv[1])[:4]}
@@ -462,9 +513,9 @@ def run_case(model_name: str, method: str, steps: int, reps: int, smoke: bool = 
 # --------------------------------------------------------------------------- the full run
 
 
-def run_in_subprocess(model_name, method, steps, reps, timeout_s, cache_root: Path) -> dict:
-    """``run_case`` in a fresh interpreter (empty Inductor and vjpgen disk caches of its own): an
-    abort or a timeout becomes the case's result."""
+def run_in_subprocess(model_name, method, steps, reps, timeout_s, cache_root: Path, python=None) -> dict:
+    """``run_case`` in a fresh interpreter (``python``, this one by default; empty Inductor and
+    vjpgen disk caches of its own): an abort or a timeout becomes the case's result."""
     cache = Path(tempfile.mkdtemp(prefix=f"{model_name}-{method}-", dir=cache_root))
     env = dict(ENV, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), VJPGEN_DISK_CACHE=str(cache / "vjpgen"),
                TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1", VJPGEN_PROGRESS="0")
@@ -472,7 +523,7 @@ def run_in_subprocess(model_name, method, steps, reps, timeout_s, cache_root: Pa
         env["VJPGEN_CHECK"] = "1"
     else:
         env.pop("VJPGEN_CHECK", None)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--case", model_name, method,
+    cmd = [python or sys.executable, str(Path(__file__).resolve()), "--case", model_name, method,
            "--steps", str(steps), "--reps", str(reps)]
     t0 = time.monotonic()
     try:
@@ -494,7 +545,7 @@ def run_in_subprocess(model_name, method, steps, reps, timeout_s, cache_root: Pa
         if libc:
             why += ": " + " / ".join(dict.fromkeys(libc))[:240]
         return {"model": model_name, "method": method, "ok": False, "error": why, "wall_s": wall,
-                "stderr_tail": p.stderr.splitlines()[-15:]}
+                "stderr_tail": [_scrub(ln) for ln in p.stderr.splitlines()[-15:]]}
     return {"model": model_name, "method": method, "ok": False, "wall_s": wall,
             "error": f"exited {p.returncode} without a result: {(p.stderr.strip().splitlines() or [''])[-1][:240]}"}
 
@@ -531,10 +582,11 @@ def report(results, args, total_s) -> str:
     lines = [
         "# Real interatomic potentials: forces inside the model, loss and Adam outside",
         "",
-        f"`python bench/bench_potentials.py --steps {args.steps} --reps {args.reps}` "
+        f"`python bench/bench_potentials.py{_cli(args)} --steps {args.steps} --reps {args.reps}` "
         f"({datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; torch {torch.__version__}, "
         f"python {platform.python_version()}, {platform.machine()} CPU, {os.cpu_count()} cores shared with "
-        f"other work, 1 thread; {_versions()}; whole run {total_s / 60:.1f} min).",
+        f"other work, 1 thread; {_versions()}; whole run {total_s / 60:.1f} min)."
+        + (f" The nequip rows ran in another interpreter: {args.nequip_info}." if getattr(args, "nequip_info", None) else ""),
         "",
         "Three random molecules of 5-12 atoms (H, C, O; 30 atoms; edges within 5 A), float32. Each "
         "(model, method) in its own process from empty Inductor / vjpgen caches: the eager reference and the "
@@ -550,7 +602,8 @@ def report(results, args, total_s) -> str:
         "`mace.tools.compile.prepare` (which sets `trace_autograd_ops=True`), called with plain positions (its "
         "`prepare_graph` calls `positions.requires_grad_()` only when not `torch.compiler.is_compiling()`: "
         "every torch.compile method fails, by mace's design); *mace-pos*: the same with the positions "
-        "requiring grad before the call, as mace's calculator does when it compiles. A row that does not run "
+        "requiring grad before the call, as mace's calculator does when it compiles; *nequip*: "
+        "`NequIPGNNModel` (its `ForceStressOutput` computes the forces). A row that does not run "
         "names the first step it failed at.",
         "",
         "| model | method | runs | params err | first step s | median ms (min-max) | / eager | "
@@ -583,6 +636,18 @@ def report(results, args, total_s) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cli(args) -> str:
+    """The run's model / method choices as its command line spells them."""
+    out = ""
+    if args.models != ",".join(MODELS):
+        out += f" --models {args.models}"
+    if args.methods != ",".join(METHODS):
+        out += f" --methods {args.methods}"
+    if getattr(args, "nequip_python", None):
+        out += " --nequip-python PATH"
+    return out
+
+
 def _versions() -> str:
     import importlib.metadata as md
 
@@ -595,6 +660,26 @@ def _versions() -> str:
     return ", ".join(out)
 
 
+_PACKAGES = "import importlib.metadata as md, torch; print(f'nequip {md.version(\"nequip\")}, e3nn {md.version(\"e3nn\")}, torch {torch.__version__}')"
+
+
+def nequip_interpreter(python) -> tuple[str | None, str]:
+    """(the interpreter the nequip cases run in, or None; why not, or its packages' versions)."""
+    if python is None:
+        why = installed("nequip")
+        if why:
+            return None, why + "; --nequip-python names a venv that has it (see the module docstring)"
+        python = sys.executable
+    try:
+        p = subprocess.run([python, "-c", "import nequip, vjpgen.runtime; " + _PACKAGES], capture_output=True,
+                           text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"--nequip-python {python}: {type(e).__name__}: {e}"
+    if p.returncode != 0:
+        return None, f"{python}: nequip or vjpgen does not import ({(p.stderr.strip().splitlines() or [''])[-1][:160]})"
+    return python, p.stdout.strip()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="the pair potential, aot_eager, in-process; writes nothing")
@@ -605,6 +690,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per (model, method) process")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--nequip-python", default=None,
+                    help="the interpreter of a venv with nequip and vjpgen, for the nequip cases (e3nn 0.6 beside mace's 0.4.4)")
     ap.add_argument("--case", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -644,13 +731,20 @@ def main(argv=None) -> int:
     if not a.no_check:
         cases += [c for c in CHECK_CASES if c[0] in a.models.split(",")]
     results = []
-    missing = {m: installed(m) for m in {c[0] for c in cases}}
+    models = {c[0] for c in cases}
+    missing = {m: installed(m) for m in models - {"nequip"}}
+    python = {}
+    if "nequip" in models:
+        python["nequip"], nequip_info = nequip_interpreter(a.nequip_python)
+        missing["nequip"] = None if python["nequip"] else nequip_info
+        if python["nequip"]:
+            a.nequip_info = f"{nequip_info} (`--nequip-python`)"
     with tempfile.TemporaryDirectory(prefix="bench-potentials-") as tmp:
         for model_name, method in cases:
             if missing[model_name]:
                 results.append({"model": model_name, "method": method, "skipped": missing[model_name]})
                 continue
-            r = run_in_subprocess(model_name, method, a.steps, a.reps, a.timeout, Path(tmp))
+            r = run_in_subprocess(model_name, method, a.steps, a.reps, a.timeout, Path(tmp), python.get(model_name))
             results.append(r)
             if r["ok"]:
                 msg = (f"params err {r['param_err']:.1e}, first step {r['first_step_s']:.1f} s, "
