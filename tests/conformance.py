@@ -63,6 +63,7 @@ from vjpgen.codegen.verify import (  # noqa: F401 - the edge-value run, also the
     run_edges,
 )
 
+
 @contextlib.contextmanager
 def cpu_manual_seed():
     """Inside: ``torch.manual_seed`` seeds the CPU generator alone, where no accelerator is

@@ -95,16 +95,15 @@ def ste_kernels(tmp_path_factory):
     estimator), generated the documented way into a temporary folder. Under xdist the workers
     share one (in this run's own folder, the parent of their base temps; the first to need it
     generates it under a lock, ~3 s): no test writes into it."""
-    from vjpgen.__main__ import main
-
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        out = tmp_path_factory.mktemp("overrides") / "ste_kernels"
-        assert main(["generate", "--overlay", str(REPO / "examples" / "ste_round.yaml"), "--out", str(out)]) == 0
-        return out
     from filelock import FileLock
 
-    root = tmp_path_factory.getbasetemp().parent / "overrides"
-    root.mkdir(exist_ok=True)
+    from vjpgen.__main__ import main
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "overrides"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("overrides")
     out = root / "ste_kernels"
     with FileLock(str(root / "generate.lock")):
         if not out.exists():  # generate writes a sibling folder and renames it into place

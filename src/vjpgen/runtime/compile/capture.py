@@ -716,23 +716,22 @@ def _fx_impure(n: torch.fx.Node) -> bool:
     return n.is_impure()
 
 
+def _in_place_name(name: str) -> bool:
+    return name.endswith("_") and not name.endswith("__")
+
+
 def _keeps_effects(n: torch.fx.Node) -> bool:
     """A node dead-code elimination must keep although nothing reads its result: what fx counts
-    impure, and every in-place write (a method or function named with a trailing underscore, an op
-    whose schema writes an argument, an ``out=`` call, an in-place operator)."""
+    impure (an op whose schema writes an argument among it), and every other in-place write (a
+    method or function named with a trailing underscore, an ``out=`` call, an in-place operator)."""
     if _fx_impure(n):
         return True
     if n.op == "call_method":
-        return n.target.endswith("_") and not n.target.endswith("__")
+        return _in_place_name(n.target)
     if n.op != "call_function":
         return False
     t = n.target
-    if "out" in n.kwargs or t in _INPLACE_OPERATORS:
-        return True
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable
-    name = getattr(t, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
+    return "out" in n.kwargs or t in _INPLACE_OPERATORS or _in_place_name(getattr(t, "__name__", ""))
 
 
 def _checked(fn, ref: torch.fx.GraphModule, label: str, compiler: str):
