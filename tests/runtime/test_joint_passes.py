@@ -1,7 +1,10 @@
-"""A whole training step compiled with ``backend="vjpgen"`` under dynamo's ``trace_autograd_ops``
-(its create_graph grads and the loss's grads in one graph, none of whose outputs requires grad):
-traced from vjpgen's kernels and compiled as one graph (``diffgraph.InferenceGraph``), with the graph
-passes of ``runtime/orders/joint_passes.py`` (issue 46). Against eager: first- and second-order grads."""
+"""The graph passes of ``runtime/orders/joint_passes.py`` (issue 46), which every joint vjpgen traces
+gets (``stages.trace``): a whole training step compiled with ``backend="vjpgen"`` under dynamo's
+``trace_autograd_ops`` (its create_graph grads and the loss's grads in one graph, none of whose
+outputs requires grad; ``diffgraph.InferenceGraph``), the forces-in-the-model structure (each order's
+joint of a ``CompiledGraph``), and each pass on its own against the graph before it. Against eager:
+first- and second-order grads. (tests/runtime/test_structures.py runs every structure and order
+through the same passes.)"""
 
 from __future__ import annotations
 
@@ -61,6 +64,8 @@ def test_whole_step_is_vjpgens_graph_with_eagers_grads(monkeypatch):
     b = rt.stats()["backend"]
     assert b["grad_inference_graphs"] == 1 and b["fallbacks"] == 0 and b["inference_graphs"] == 0, b
     assert seen and seen[0]["small_matmuls"] >= 3, seen
+    # common subexpressions across orders: the penalty's vjp recomputes the critic's forward masks
+    assert seen[0]["cse"] > 0, seen
     for a, c in zip(ref, got):
         assert not c.requires_grad
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
@@ -171,3 +176,84 @@ def test_cpu_masks_are_recomputed_not_saved():
     torch.testing.assert_close(fw_out[0], fn(x, w1, w2).detach())
     for a, b in zip(want, [g for g in grads if g is not None]):
         torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize("tao", [False, True], ids=["default", "tao"])
+def test_every_orders_joint_gets_the_passes(monkeypatch, tao):
+    """The gradient penalty inside the compiled critic call, loss and ``backward()`` outside (the
+    structure of MLIP code): each joint vjpgen traces for it goes through the passes (default
+    dynamo: the graph before the grad call, then its create_graph vjp, the next order's joint;
+    ``trace_autograd_ops``: one graph holding the grad), and the grads equal eager's."""
+    net = _critic()
+    params = list(net.parameters())
+    real, fake, eps = _data()
+
+    def gp(x):
+        (g,) = torch.autograd.grad(net(x).sum(), x, create_graph=True)
+        return ((g.norm(2, dim=1) - 1) ** 2).mean()
+
+    def step(gp_call):
+        for p in params:
+            p.grad = None
+        x = (eps * real + (1 - eps) * fake).requires_grad_()
+        loss = net(fake).mean() - net(real).mean() + 10.0 * gp_call(x)
+        loss.backward()
+        return [p.grad.clone() for p in params]
+
+    ref = step(gp)
+    seen = []
+    orig = joint_passes.run
+
+    def spy(gm):
+        done = orig(gm)
+        seen.append(done)
+        return done
+
+    monkeypatch.setattr(joint_passes, "run", spy)
+    gp_c = torch.compile(gp, backend="vjpgen", options=AOT, dynamic=False)
+    with torch._dynamo.config.patch(trace_autograd_ops=tao):
+        got = step(gp_c)
+    assert rt.stats()["backend"]["fallbacks"] == 0, rt.stats()["backend"]
+    assert len(seen) >= (1 if tao else 2), seen
+    assert any(d["small_matmuls"] > 0 for d in seen), seen
+    for a, c in zip(ref, got):
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+
+
+def test_cse_merges_duplicates_and_keeps_random_ops_and_mutations_apart():
+    """The CSE pass on real tensors: a repeated subexpression computed once, with the graph's values;
+    two ``randn_like`` calls (random: each its own draw) and two reads of a tensor on either side
+    of an in-place write kept apart."""
+    aten = torch.ops.aten
+
+    def fn(x, y):
+        a = aten.mul.Tensor(aten.sin.default(x), y)
+        b = aten.mul.Tensor(aten.sin.default(x), y)
+        # (the draws inside the graph: torch's pass never merges a graph output)
+        return aten.add.Tensor(a, b), aten.sub.Tensor(aten.randn_like.default(x), aten.randn_like.default(x))
+
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    gm = make_fx(fn, tracing_mode="fake")(x, y)
+    ref = gm(x, y)
+    assert joint_passes.cse(gm) == 2  # the second sin and mul
+    gm.recompile()
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(aten.sin.default) == 1 and ops.count(aten.randn_like.default) == 2, ops
+    got = gm(x, y)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    assert bool((got[1] != 0).all())  # two draws, not one draw minus itself
+
+    # a read of y, y written in place, the same read again: two values (the graph by hand, as a
+    # functionalized trace never has it)
+    g = torch.fx.Graph()
+    yp = g.placeholder("y")
+    s1 = g.call_function(aten.sum.default, (yp,))
+    w = g.call_function(aten.add_.Tensor, (yp, 1.0))
+    s2 = g.call_function(aten.sum.default, (yp,))
+    g.output((s1, s2, w))
+    gm2 = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert joint_passes.cse(gm2) == 0
+    gm2.recompile()
+    y0 = torch.ones(5)
+    a, b, _ = gm2(y0)
+    assert float(a) == 5.0 and float(b) == 10.0

@@ -26,7 +26,7 @@ import torch
 
 from ..compile import capture
 from ..plan import decide, kernels
-from . import joint, joint_passes, stages
+from . import joint, stages
 from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
@@ -314,7 +314,6 @@ class InferenceGraph:
               counter="grad_inference_graphs"):
         with capture.LOCK:
             gm = stages.trace(fn, fakes, fake_mode, meta, compiler)
-            joint_passes.run(gm)
             n_out = len(meta.out_kinds)
             deps = tuple(capture.output_deps(gm)[:n_out])  # (before the compiler's rewrites of gm)
             what = f"{label} (no differentiable output, {meta.expanded} grad call(s) expanded)"

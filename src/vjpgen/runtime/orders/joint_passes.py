@@ -1,20 +1,32 @@
 """Passes over the aten graphs vjpgen hands Inductor (issue 46).
 
-:func:`run` applies them to a traced graph before it is compiled (today: the whole-step graphs of
-:class:`vjpgen.runtime.orders.diffgraph.InferenceGraph`). Each keeps the values the graph computes (up to the
-order of a float sum where it says so); ``VJPGEN_JOINT_PASSES=0`` turns them off (to measure them),
-read at each compile.
+:func:`run` applies them to every joint vjpgen traces (:func:`vjpgen.runtime.orders.stages.trace`:
+each order's joint before it is partitioned, the whole-step graphs of
+:class:`vjpgen.runtime.orders.diffgraph.InferenceGraph`), so every structure and every order gets
+them. Each keeps the values the graph computes (up to the order of a float sum where it says so);
+``VJPGEN_JOINT_PASSES=0`` turns them off (to measure them), read at each trace.
 
+* :func:`cse`: common subexpressions, across orders: a create_graph grad's vjp recomputes values
+  the order before it computed (its forward, the masks and transposes of its formulas), and one
+  graph holding every order (a whole step) holds both. torch's ``fx_graph_cse`` (AOTAutograd's;
+  it keeps ops apart across a mutation of their inputs), with every op tagged
+  ``nondeterministic_seeded`` kept as it is (its list names a few random ops, not e.g.
+  ``randn_like``). Torch's min-cut partitioner runs the same CSE on a joint it partitions, so
+  this adds it where nothing is partitioned: the whole-step graphs. On the bench's whole steps
+  (bench/bench_higher_step.py, Inductor, one thread, interleaved medians; the ops it removed with
+  Inductor's decompositions in brackets) it took each step to 0.90-0.96x of the step without it
+  for pair (11 of 224 ops), 0.91-0.99x for pinn2d (86 of 342), 0.98-0.99x for wgan_gp (24 of 198),
+  over three runs; the forces-compiled steps were within noise (the partitioner's CSE ran there).
 * :func:`small_matmuls`: a matmul with a dimension of 1 (an MLP's scalar output layer: its forward
   ``[B, H] @ [H, 1]``, its backward's outer product ``[B, 1] @ [1, H]``, its weight grad
   ``[1, B] @ [B, H]``) as a broadcast multiply (and a sum). Inductor calls every ``mm`` /
   ``addmm`` as an extern BLAS call, which also splits the pointwise kernels around it; as
   pointwise and reduction ops they fuse with their producer and consumer, as XLA fuses such dots.
   The outer product is exact; the others sum the same products in another order (float rounding).
-  On the bench's whole steps (bench/bench_higher_step.py, one thread, interleaved medians) it
-  took pair 0.255 -> 0.239 ms, pinn2d 0.269 -> 0.251, wgan_gp 0.307 -> 0.296. A dimension of 2
-  (pinn2d's 2-D input layer, as a ``[M, K, 1] * [1, K, N]`` product summed over K) was slower:
-  pinn2d 0.277 -> 0.410 ms (Inductor's reduction over a middle dimension), so it stays a BLAS call.
+  On the bench's whole steps it took pair 0.255 -> 0.239 ms, pinn2d 0.269 -> 0.251, wgan_gp
+  0.307 -> 0.296. A dimension of 2 (pinn2d's 2-D input layer, as a ``[M, K, 1] * [1, K, N]``
+  product summed over K) was slower: pinn2d 0.277 -> 0.410 ms (Inductor's reduction over a middle
+  dimension), so it stays a BLAS call.
 """
 
 from __future__ import annotations
@@ -34,14 +46,42 @@ def enabled() -> bool:
 
 
 def run(gm: torch.fx.GraphModule) -> dict:
-    """Every pass on ``gm`` (in place); returns how many nodes each rewrote."""
+    """Every pass on ``gm`` (in place); returns how many nodes each removed or rewrote."""
     done = {}
     if enabled():
+        done["cse"] = cse(gm)
         done["small_matmuls"] = small_matmuls(gm)
     if any(done.values()):
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return done
+
+
+def _n_ops(graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def cse(gm: torch.fx.GraphModule) -> int:
+    """Common subexpressions of ``gm`` merged (see the module docstring); returns how many ops
+    went."""
+    from torch._functorch import compile_utils
+
+    seeded = {n.target.overloadpacket for n in gm.graph.nodes
+              if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+              and torch.Tag.nondeterministic_seeded in n.target.tags}
+    before = _n_ops(gm.graph)
+    keep = compile_utils.rand_ops
+    # (the list torch's pass reads by its global name; a longer list only keeps more ops apart,
+    # so another thread's partitioner meanwhile is no worse off)
+    compile_utils.rand_ops = [*keep, *(seeded - set(keep))]
+    try:
+        new = compile_utils.fx_graph_cse(gm.graph)
+    finally:
+        compile_utils.rand_ops = keep
+    n_gone = before - _n_ops(new)
+    if n_gone:
+        gm.graph = new
+    return n_gone
 
 
 def _static_shape(n):

@@ -4,7 +4,8 @@
    which are differentiable, which inputs it mutates; a ``torch.autograd.grad`` inside it is
    expanded with vjpgen's kernels.
 2. :func:`trace`: the joint of forward and backward, the backward from vjpgen's generated kernels
-   through the one executor (``joint.trace_joint``), decomposed for the compiler.
+   through the one executor (``joint.trace_joint``), decomposed for the compiler, and the graph
+   passes of :mod:`.joint_passes` (common subexpressions across orders, small matmuls).
 3. :func:`partition`: forward and backward halves (torch's partitioner, min-cut for Inductor), and
    what the backward reads: each of its placeholders a saved value or a tangent.
 4. :func:`compile_halves`: both halves compiled (Inductor or another backend), in a tracing
@@ -23,7 +24,7 @@ import torch
 
 from ... import logs
 from ..compile import capture
-from . import joint
+from . import joint, joint_passes
 
 
 def _expanding(handler):
@@ -91,10 +92,12 @@ def analyse(fn, fakes, fake_mode, max_ops=None):
 
 def trace(fn, fakes, fake_mode, meta, compiler: str) -> torch.fx.GraphModule:
     """Stage 2: the joint graph (forward, then the backward from vjpgen's kernels; the forward
-    alone for a function with no differentiable output), decomposed for ``compiler``. Called under
-    ``capture.LOCK``."""
+    alone for a function with no differentiable output), decomposed for ``compiler``, with
+    :mod:`.joint_passes` applied (every order, every structure). Called under ``capture.LOCK``."""
     with _expanding(joint.engine_call):
-        return joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
+        gm = joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
+    joint_passes.run(gm)
+    return gm
 
 
 class Halves(NamedTuple):
