@@ -66,6 +66,9 @@ def test_whole_step_is_vjpgens_graph_with_eagers_grads(monkeypatch):
     assert seen and seen[0]["small_matmuls"] >= 3, seen
     # common subexpressions across orders: the penalty's vjp recomputes the critic's forward masks
     assert seen[0]["cse"] > 0, seen
+    # the critic on the interpolated, the fake and the real batch: its two hidden layers' matmuls
+    # stacked (3 -> 1 each)
+    assert seen[0]["shared_operand_matmuls"] >= 4, seen
     for a, c in zip(ref, got):
         assert not c.requires_grad
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
@@ -257,3 +260,49 @@ def test_cse_merges_duplicates_and_keeps_random_ops_and_mutations_apart():
     y0 = torch.ones(5)
     a, b, _ = gm2(y0)
     assert float(a) == 5.0 and float(b) == 10.0
+
+
+def test_shared_operand_matmuls_keep_the_values_and_the_dependencies():
+    """Matmuls of one weight stacked into one where none depends on another: the values of the
+    graph before it; one that reads another's result stays on its own; an operand the graph
+    computes after the first matmul is computed ahead of the stacked one (the nodes reordered).
+    Nothing is stacked in a joint with tangents (to be partitioned) or with an in-place write."""
+    aten = torch.ops.aten
+
+    def fn(x1, x2, x3, w, bias):
+        y1 = aten.mm.default(x1, w)
+        u = aten.exp.default(y1)
+        y2 = aten.mm.default(aten.sin.default(x2), w)  # its operand computed after y1
+        y3 = aten.mm.default(aten.tanh.default(y1), w)  # reads y1: not stacked with it
+        z1 = aten.addmm.default(bias, x1, w)
+        z2 = aten.addmm.default(bias, x3, w)
+        return u + y2, y3, z1, z2
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g), torch.randn(4, 6, generator=g),
+            torch.randn(6, 6, generator=g), torch.randn(6, generator=g)]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    ref = gm(*args)
+    assert joint_passes.shared_operand_matmuls(gm) == 2  # y1 with y2 (not y3); z1 with z2
+    gm.graph.lint()
+    gm.recompile()
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(aten.mm.default) == 2 and ops.count(aten.addmm.default) == 1, ops
+    got = gm(*args)
+    for a, c in zip(ref, got):
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
+
+    def joint_fn(primals, tangents):
+        x1, x2, w = primals
+        (t,) = tangents
+        return aten.mm.default(x1, w) * t, aten.mm.default(x2, w)
+
+    jm = make_fx(joint_fn, tracing_mode="fake")([args[0], args[0], args[3]], [torch.randn(5, 6)])
+    assert joint_passes.shared_operand_matmuls(jm) == 0
+
+    def writes(x1, x2, w):
+        w.mul_(2)
+        return aten.mm.default(x1, w), aten.mm.default(x2, w)
+
+    wm = make_fx(writes, tracing_mode="fake")(args[0], args[0], args[3].clone())
+    assert joint_passes.shared_operand_matmuls(wm) == 0
