@@ -173,8 +173,8 @@ def small_matmuls(gm: torch.fx.GraphModule) -> int:
     return n_done
 
 
-def _ancestors(graph) -> dict:
-    """Per node: the set of nodes it depends on, as a bitset over the graph's node order."""
+def _ancestors(graph) -> tuple:
+    """(per node: its position; per node: the nodes it depends on, a bitset over the positions)."""
     idx, anc = {}, {}
     for i, n in enumerate(graph.nodes):
         idx[n] = i
