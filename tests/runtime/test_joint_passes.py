@@ -51,8 +51,8 @@ def test_whole_step_is_vjpgens_graph_with_eagers_grads(monkeypatch):
     seen = []
     orig = joint_passes.run
 
-    def spy(gm):
-        done = orig(gm)
+    def spy(gm, **kw):
+        done = orig(gm, **kw)
         seen.append(done)
         return done
 
@@ -207,8 +207,8 @@ def test_every_orders_joint_gets_the_passes(monkeypatch, tao):
     seen = []
     orig = joint_passes.run
 
-    def spy(gm):
-        done = orig(gm)
+    def spy(gm, **kw):
+        done = orig(gm, **kw)
         seen.append(done)
         return done
 

@@ -11,8 +11,10 @@ them. Each keeps the values the graph computes (up to the order of a float sum w
   graph holding every order (a whole step) holds both. torch's ``fx_graph_cse`` (AOTAutograd's;
   it keeps ops apart across a mutation of their inputs), with every op tagged
   ``nondeterministic_seeded`` kept as it is (its list names a few random ops, not e.g.
-  ``randn_like``). Torch's min-cut partitioner runs the same CSE on a joint it partitions, so
-  this adds it where nothing is partitioned: the whole-step graphs. On the bench's whole steps
+  ``randn_like``). Torch's min-cut partitioner (Inductor's) runs the same CSE on a joint it
+  partitions, so there this pass is skipped (torch's CSE is not cheap: 1.3 s on a 12,500-node
+  graph); it adds CSE where nothing is partitioned (the whole-step graphs) and under the default
+  partitioner (``aot_eager``). On the bench's whole steps
   (bench/bench_higher_step.py, Inductor, one thread, interleaved medians; the ops it removed with
   Inductor's decompositions in brackets) it took each step to 0.90-0.96x of the step without it
   for pair (11 of 224 ops), 0.91-0.99x for pinn2d (86 of 342), 0.98-0.99x for wgan_gp (24 of 198),
@@ -59,11 +61,12 @@ def enabled() -> bool:
     return os.environ.get("VJPGEN_JOINT_PASSES", "1").strip() not in ("0", "")
 
 
-def run(gm: torch.fx.GraphModule) -> dict:
-    """Every pass on ``gm`` (in place); returns how many nodes each removed or rewrote."""
+def run(gm: torch.fx.GraphModule, with_cse: bool = True) -> dict:
+    """Every pass on ``gm`` (in place; ``with_cse=False``: all but :func:`cse`, for a joint whose
+    partitioner merges them); returns how many nodes each removed or rewrote."""
     done = {}
     if enabled():
-        done["cse"] = cse(gm)
+        done["cse"] = cse(gm) if with_cse else 0
         done["small_matmuls"] = small_matmuls(gm)
         done["shared_operand_matmuls"] = shared_operand_matmuls(gm)
     if any(done.values()):
