@@ -306,3 +306,32 @@ def test_shared_operand_matmuls_keep_the_values_and_the_dependencies():
 
     wm = make_fx(writes, tracing_mode="fake")(args[0], args[0], args[3].clone())
     assert joint_passes.shared_operand_matmuls(wm) == 0
+
+
+def test_stacked_matmuls_returned_as_outputs():
+    """A whole step that also returns a layer's output on two batches (the matmuls of one weight
+    the pass stacks): eager's values, and each output its own rows (writing one leaves the other)."""
+    torch.manual_seed(0)
+    lin, head = nn.Linear(5, 16), nn.Linear(16, 1)
+    params = [*lin.parameters(), *head.parameters()]
+
+    def step(real, fake):
+        x = real.detach().requires_grad_()
+        (g,) = torch.autograd.grad(head(torch.tanh(lin(x))).sum(), x, create_graph=True)
+        loss = (g**2).sum() + head(torch.tanh(lin(fake))).mean()
+        return torch.autograd.grad(loss, params), lin(real).detach(), lin(fake).detach()
+
+    g = torch.Generator().manual_seed(3)
+    real, fake = torch.randn(7, 5, generator=g), torch.randn(6, 5, generator=g)
+    ref = step(real, fake)
+    f = torch.compile(step, backend="vjpgen", options=AOT, dynamic=False)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        got = f(real, fake)
+    assert rt.stats()["backend"]["grad_inference_graphs"] == 1, rt.stats()["backend"]
+    for a, c in zip(ref[0], got[0]):
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
+    before = got[2].clone()
+    got[1].add_(100.0)
+    assert torch.equal(got[2], before)

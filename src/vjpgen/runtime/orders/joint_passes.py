@@ -39,7 +39,8 @@ them. Each keeps the values the graph computes (up to the order of a float sum w
   pair has none. Only where nothing is partitioned and nothing is written in place (it reorders
   nodes: an operand a later node computes is pulled ahead of the stacked matmul): on the
   forces-compiled pinn2d joint it was 1.01-1.02x slower in three runs, so joints with tangents
-  keep their matmuls.
+  keep their matmuls. A graph output that was one of them is its rows of the stacked result (a
+  view: its own values, in a storage it shares with the others).
 """
 
 from __future__ import annotations
