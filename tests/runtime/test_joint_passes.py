@@ -69,6 +69,9 @@ def test_whole_step_is_vjpgens_graph_with_eagers_grads(monkeypatch):
     # the critic on the interpolated, the fake and the real batch: its two hidden layers' matmuls
     # stacked (3 -> 1 each)
     assert seen[0]["shared_operand_matmuls"] >= 4, seen
+    # each hidden weight's grad, a sum over the critic's three uses and the penalty's double
+    # backward: one matmul over the stacked rows
+    assert seen[0]["summed_matmuls"] >= 4, seen
     for a, c in zip(ref, got):
         assert not c.requires_grad
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
@@ -335,3 +338,37 @@ def test_stacked_matmuls_returned_as_outputs():
     before = got[2].clone()
     got[1].add_(100.0)
     assert torch.equal(got[2], before)
+
+
+def test_summed_matmuls_keep_the_values():
+    """A sum of matmuls of one shape, some entering it transposed (a weight's grad from each use),
+    as one matmul over the concatenated inner dimension: the graph's values; a sum with a broadcast
+    term and a matmul read elsewhere too are left as they are."""
+    aten = torch.ops.aten
+
+    def fn(a1, b1, a2, b2, g3, x3, c, bias):
+        s = aten.add.Tensor(aten.mm.default(a1, b1), aten.t.default(aten.mm.default(a2, b2)))
+        s = aten.add.Tensor(s, aten.mm.default(aten.t.default(g3), x3))
+        s = aten.add.Tensor(s, c)
+        shared = aten.mm.default(a1, b1)  # (CSE would merge it with the first: not run here)
+        kept = aten.add.Tensor(aten.add.Tensor(shared, aten.mm.default(a1, b1)), bias)  # broadcast term
+        # a sum returned transposed (its root reached through the transpose above it)
+        r = aten.t.default(aten.add.Tensor(aten.t.default(aten.mm.default(a2, b2)), aten.mm.default(g3.t(), x3)))
+        return s, kept, shared, r
+
+    g = torch.Generator().manual_seed(0)
+    P, Q = 6, 4
+    args = [torch.randn(P, 3, generator=g), torch.randn(3, Q, generator=g), torch.randn(Q, 5, generator=g),
+            torch.randn(5, P, generator=g), torch.randn(7, P, generator=g), torch.randn(7, Q, generator=g),
+            torch.randn(P, Q, generator=g), torch.randn(Q, generator=g)]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    ref = gm(*args)
+    assert joint_passes.summed_matmuls(gm) == 3  # three matmuls -> one; two -> one
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(aten.mm.default) == 1 + 2 + 1, ops  # the merged ones; the two of `kept`
+    got = gm(*args)
+    for a, c in zip(ref, got):
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
