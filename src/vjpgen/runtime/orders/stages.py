@@ -5,8 +5,8 @@
    expanded with vjpgen's kernels.
 2. :func:`trace`: the joint of forward and backward, the backward from vjpgen's generated kernels
    through the one executor (``joint.trace_joint``), decomposed for the compiler, and the graph
-   passes of :mod:`.joint_passes` (common subexpressions across orders, small and shared-operand
-   matmuls).
+   passes of :mod:`.joint_passes` (common subexpressions across orders, small, shared-operand and
+   summed matmuls).
 3. :func:`partition`: forward and backward halves (torch's partitioner, min-cut for Inductor), and
    what the backward reads: each of its placeholders a saved value or a tangent.
 4. :func:`compile_halves`: both halves compiled (Inductor or another backend), in a tracing
