@@ -1,10 +1,11 @@
 """Passes over the aten graphs vjpgen hands Inductor (issue 46).
 
 :func:`run` applies them to every joint vjpgen traces (:func:`vjpgen.runtime.orders.stages.trace`:
-each order's joint before it is partitioned, the whole-step graphs of
-:class:`vjpgen.runtime.orders.diffgraph.InferenceGraph`), so every structure and every order gets
-them. Each keeps the values the graph computes (up to the order of a float sum where it says so);
-``VJPGEN_JOINT_PASSES=0`` turns them off (to measure them), read at each trace.
+each order's joint before it is partitioned, and the graphs nothing partitions: the whole steps of
+:class:`vjpgen.runtime.orders.diffgraph.InferenceGraph`, a vjp's grads without grad mode), in
+every structure and at every order; the matmul passes act only on the graphs nothing partitions
+(each says why). Each keeps the values the graph computes (up to the order of a float sum where it
+says so); ``VJPGEN_JOINT_PASSES=0`` turns them off (to measure them), read at each trace.
 
 * :func:`cse`: common subexpressions, across orders: a create_graph grad's vjp recomputes values
   the order before it computed (its forward, the masks and transposes of its formulas), and one
@@ -28,7 +29,11 @@ them. Each keeps the values the graph computes (up to the order of a float sum w
   On the bench's whole steps it took pair 0.255 -> 0.239 ms, pinn2d 0.269 -> 0.251, wgan_gp
   0.307 -> 0.296. A dimension of 2 (pinn2d's 2-D input layer, as a ``[M, K, 1] * [1, K, N]``
   product summed over K) was slower: pinn2d 0.277 -> 0.410 ms (Inductor's reduction over a middle
-  dimension), so it stays a BLAS call.
+  dimension), so it stays a BLAS call. Only in graphs nothing partitions (the whole steps): on the
+  partitioned joint of MACE's forces step (``bench/bench_potentials.py --case mace-pos backend``,
+  Inductor) its 17 rewrites together gave grads 3e-3 off eager's (its forward ones alone and its
+  backward ones alone did not; the cause is not found), and on the bench's forces-compiled and
+  runtime steps it had gained 1-3%.
 * :func:`shared_operand_matmuls`: matmuls with one right operand (and bias), none depending on
   another, as one matmul of their left operands stacked, sliced after: a critic applied to the
   real, the fake and the interpolated batch (WGAN-GP), a net on the interior and the boundary
@@ -56,6 +61,7 @@ them. Each keeps the values the graph computes (up to the order of a float sum w
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -121,34 +127,52 @@ def _static_shape(n):
     return tuple(v.shape)
 
 
-def _call(graph, fake_mode, target, args, kwargs=None):
+class _Ctx(NamedTuple):
+    """What a node a pass adds takes from the node it replaces: the fake mode of its value, and
+    which side of the joint it is on (``partitioner_tag``: torch's min-cut partitioner ends the
+    forward at the last node tagged forward)."""
+
+    fake_mode: object
+    tag: object
+
+
+def _ctx(node) -> _Ctx:
+    return _Ctx(node.meta["val"].fake_mode, node.meta.get("partitioner_tag"))
+
+
+def _call(graph, ctx: _Ctx, target, args, kwargs=None):
     node = graph.call_function(target, args, kwargs or {})
     vals = torch.fx.node.map_arg((args, kwargs or {}), lambda a: a.meta["val"])
-    with fake_mode:
+    with ctx.fake_mode:
         node.meta["val"] = target(*vals[0], **vals[1])
+    if ctx.tag is not None:
+        node.meta["partitioner_tag"] = ctx.tag
     return node
 
 
-def _matmul_as_pointwise(graph, fake_mode, a, b, M, K, N):
+def _matmul_as_pointwise(graph, ctx, a, b, M, K, N):
     """``a @ b`` (``[M, K] @ [K, N]``, one of M, K, N is 1) as a broadcast multiply and a sum:
     nodes before the current insertion point."""
     if K == 1:  # an outer product: one multiply, exact
-        return _call(graph, fake_mode, aten.mul.Tensor, (a, b))
+        return _call(graph, ctx, aten.mul.Tensor, (a, b))
     if M == 1:  # [1, K] @ [K, N]: sum over K of a[k] * b[k, :]
-        at = _call(graph, fake_mode, aten.view.default, (a, [K, 1]))
-        prod = _call(graph, fake_mode, aten.mul.Tensor, (at, b))
-        return _call(graph, fake_mode, aten.sum.dim_IntList, (prod, [0], True))
+        at = _call(graph, ctx, aten.view.default, (a, [K, 1]))
+        prod = _call(graph, ctx, aten.mul.Tensor, (at, b))
+        return _call(graph, ctx, aten.sum.dim_IntList, (prod, [0], True))
     # N == 1: [M, K] @ [K, 1]: sum over K of a[:, k] * b[k]
-    bt = _call(graph, fake_mode, aten.view.default, (b, [1, K]))
-    prod = _call(graph, fake_mode, aten.mul.Tensor, (a, bt))
-    return _call(graph, fake_mode, aten.sum.dim_IntList, (prod, [1], True))
+    bt = _call(graph, ctx, aten.view.default, (b, [1, K]))
+    prod = _call(graph, ctx, aten.mul.Tensor, (a, bt))
+    return _call(graph, ctx, aten.sum.dim_IntList, (prod, [1], True))
 
 
 def small_matmuls(gm: torch.fx.GraphModule) -> int:
     """Rewrite each ``aten.mm`` / ``aten.addmm`` (alpha = beta = 1) on the CPU, of static float
     sizes, whose M, K or N is 1 (and M*K*N at most ``SMALL_MATMUL_MAX_ELEMENTS``) as a multiply
-    and a sum (see the module docstring). Returns how many it rewrote."""
+    and a sum (see the module docstring), in a graph nothing will partition. Returns how many it
+    rewrote."""
     graph = gm.graph
+    if _partitioned(graph):
+        return 0
     n_done = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
@@ -173,13 +197,13 @@ def small_matmuls(gm: torch.fx.GraphModule) -> int:
         (M, K), (_, N) = sa, sb
         if min(M, K, N) != 1 or M * K * N > SMALL_MATMUL_MAX_ELEMENTS:
             continue
-        fake_mode = out.fake_mode if hasattr(out, "fake_mode") else None
-        if fake_mode is None:
+        if not hasattr(out, "fake_mode"):
             continue
+        ctx = _ctx(node)
         with graph.inserting_before(node):
-            new = _matmul_as_pointwise(graph, fake_mode, a, b, M, K, N)
+            new = _matmul_as_pointwise(graph, ctx, a, b, M, K, N)
             if bias is not None:
-                new = _call(graph, fake_mode, aten.add.Tensor, (new, bias))
+                new = _call(graph, ctx, aten.add.Tensor, (new, bias))
         if tuple(new.meta["val"].shape) != so or new.meta["val"].dtype != out.dtype:
             raise AssertionError(f"vjpgen: small_matmuls rewrote {node} to the wrong shape")  # (a bug here)
         node.replace_all_uses_with(new)
@@ -251,19 +275,19 @@ def shared_operand_matmuls(gm: torch.fx.GraphModule) -> int:
         if len(group) < 2:
             continue
         bias, _, b = _matmul_parts(group[0])
-        fake_mode = group[0].meta["val"].fake_mode
+        ctx = _ctx(group[0])
         first = min(group, key=lambda m: idx[m])
         with graph.inserting_before(first):
             rows = [_matmul_parts(m)[1] for m in group]
-            stacked = _call(graph, fake_mode, aten.cat.default, (rows, 0))
+            stacked = _call(graph, ctx, aten.cat.default, (rows, 0))
             if bias is None:
-                big = _call(graph, fake_mode, aten.mm.default, (stacked, b))
+                big = _call(graph, ctx, aten.mm.default, (stacked, b))
             else:
-                big = _call(graph, fake_mode, aten.addmm.default, (bias, stacked, b))
+                big = _call(graph, ctx, aten.addmm.default, (bias, stacked, b))
             off = 0
             for m in group:
                 M = _static_shape(m)[0]
-                part = _call(graph, fake_mode, aten.slice.Tensor, (big, 0, off, off + M))
+                part = _call(graph, ctx, aten.slice.Tensor, (big, 0, off, off + M))
                 off += M
                 m.replace_all_uses_with(part)
         for m in group:
@@ -308,11 +332,14 @@ def _is_transpose(n) -> bool:
     return n.target is aten.permute.default and list(n.args[1]) == [1, 0]
 
 
+def _partitioned(graph) -> bool:
+    """A joint with tangents: it will be partitioned into a forward and a backward."""
+    return any("tangents" in str(n.target) for n in graph.find_nodes(op="placeholder"))
+
+
 def _unpartitioned_and_pure(graph) -> bool:
     """No tangents (nothing will be partitioned) and no op writing in place."""
-    if _mutates(graph):
-        return False
-    return not any("tangents" in str(n.target) for n in graph.find_nodes(op="placeholder"))
+    return not _mutates(graph) and not _partitioned(graph)
 
 
 def summed_matmuls(gm: torch.fx.GraphModule) -> int:
@@ -373,24 +400,24 @@ def summed_matmuls(gm: torch.fx.GraphModule) -> int:
         mms = [(n, flip) for n, flip in leaves if is_mm(n) and n.meta["val"].dtype == val.dtype]
         if not ok or len(mms) < 2:
             continue
-        fake_mode = val.fake_mode
+        ctx = _ctx(root)
 
         def T(x):  # x transposed: its input where x is a transpose
-            return x.args[0] if _is_transpose(x) else _call(graph, fake_mode, aten.permute.default, (x, [1, 0]))
+            return x.args[0] if _is_transpose(x) else _call(graph, ctx, aten.permute.default, (x, [1, 0]))
 
         with graph.inserting_before(root):
             pairs = [(T(m.args[1]), T(m.args[0])) if flip else (m.args[0], m.args[1]) for m, flip in mms]
             lefts = [a for a, _ in pairs]
             if all(_is_transpose(a) for a in lefts):  # [G1^T G2^T] = [G1; G2]^T: the rows stacked
-                left = _call(graph, fake_mode, aten.permute.default,
-                             (_call(graph, fake_mode, aten.cat.default, ([a.args[0] for a in lefts], 0)), [1, 0]))
+                left = _call(graph, ctx, aten.permute.default,
+                             (_call(graph, ctx, aten.cat.default, ([a.args[0] for a in lefts], 0)), [1, 0]))
             else:
-                left = _call(graph, fake_mode, aten.cat.default, (lefts, 1))
-            right = _call(graph, fake_mode, aten.cat.default, ([b for _, b in pairs], 0))
-            total = _call(graph, fake_mode, aten.mm.default, (left, right))
+                left = _call(graph, ctx, aten.cat.default, (lefts, 1))
+            right = _call(graph, ctx, aten.cat.default, ([b for _, b in pairs], 0))
+            total = _call(graph, ctx, aten.mm.default, (left, right))
             for n, flip in leaves:
                 if (n, flip) not in mms:
-                    total = _call(graph, fake_mode, aten.add.Tensor, (total, T(n) if flip else n))
+                    total = _call(graph, ctx, aten.add.Tensor, (total, T(n) if flip else n))
         root.replace_all_uses_with(total)
         n_done += len(mms) - 1
     return n_done
