@@ -356,8 +356,11 @@ def test_summed_matmuls_keep_the_values():
         shared = aten.mm.default(a1, b1)  # (CSE would merge it with the first: not run here)
         kept = aten.add.Tensor(aten.add.Tensor(shared, aten.mm.default(a1, b1)), bias)  # broadcast term
         # a sum returned transposed (its root reached through the transpose above it)
-        r = aten.t.default(aten.add.Tensor(aten.t.default(aten.mm.default(a2, b2)), aten.mm.default(g3.t(), x3)))
-        return s, kept, shared, r
+        r = aten.add.Tensor(aten.t.default(aten.mm.default(a2, b2)), aten.mm.default(g3.t(), x3))
+        r = aten.t.default(aten.add.Tensor(r, aten.t.default(aten.mm.default(aten.t.default(x3), g3))))
+        # two terms: left as they are (SUMMED_MATMUL_MIN_TERMS)
+        two = aten.add.Tensor(aten.mm.default(a1, b1), aten.mm.default(aten.t.default(g3), x3))
+        return s, kept, shared, r, two
 
     g = torch.Generator().manual_seed(0)
     P, Q = 6, 4
@@ -366,12 +369,12 @@ def test_summed_matmuls_keep_the_values():
             torch.randn(P, Q, generator=g), torch.randn(Q, generator=g)]
     gm = make_fx(fn, tracing_mode="fake")(*args)
     ref = gm(*args)
-    assert joint_passes.summed_matmuls(gm) == 3  # three matmuls -> one; two -> one
+    assert joint_passes.summed_matmuls(gm) == 4  # three matmuls -> one, twice
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert ops.count(aten.mm.default) == 1 + 2 + 1, ops  # the merged ones; the two of `kept`
+    assert ops.count(aten.mm.default) == 1 + 2 + 1 + 2, ops  # the merged ones; `kept`'s and `two`'s
     got = gm(*args)
     for a, c in zip(ref, got):
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)

@@ -54,8 +54,9 @@ says so); ``VJPGEN_JOINT_PASSES=0`` turns them off (to measure them), read at ea
   adds between them (four ``[128, 48] @ [48, 128]`` with the sum: 46 us; the stacked one: 36 us,
   one thread). Same products, summed in another order (float rounding). On the bench's whole
   steps: wgan_gp 0.975x, pinn2d 0.978x of the step without it (6 and 11 matmuls fewer; one run
-  each, the machine busy with another bench). Only where nothing is partitioned and nothing is
-  written in place, as the stacking.
+  each, the machine busy with another bench); pair's sums of two terms were 1.06x slower merged,
+  so a sum needs ``SUMMED_MATMUL_MIN_TERMS`` matmuls. Only where nothing is partitioned and
+  nothing is written in place, as the stacking.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ SMALL_MATMUL_MAX_ELEMENTS = 1 << 16
 # the largest M*K*N of a matmul stacked with others of its right operand (a large one gains nothing
 # from one call fewer and pays for copying its rows)
 SHARED_MATMUL_MAX_ELEMENTS = 1 << 21
+# the fewest matmuls of a sum merged into one: two save one BLAS call and copy both operands of
+# both (the pair potential's two-term weight grads, [64, 190] @ [190, 64] each: its whole step
+# 1.06x slower merged), three and more gained (wgan_gp's 4 terms, pinn2d's 6 and 7)
+SUMMED_MATMUL_MIN_TERMS = 3
 
 
 def enabled() -> bool:
@@ -398,7 +403,7 @@ def summed_matmuls(gm: torch.fx.GraphModule) -> int:
                 ok = False  # (a broadcast term: the sum as it is)
                 break
         mms = [(n, flip) for n, flip in leaves if is_mm(n) and n.meta["val"].dtype == val.dtype]
-        if not ok or len(mms) < 2:
+        if not ok or len(mms) < SUMMED_MATMUL_MIN_TERMS:
             continue
         ctx = _ctx(root)
 
