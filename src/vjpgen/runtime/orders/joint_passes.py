@@ -52,8 +52,7 @@ says so); ``VJPGEN_JOINT_PASSES=0`` turns them off (to measure them), read at ea
   and interpolated batches and the penalty's double backward, 4 terms each; the stacking pass
   above makes the rows of the first three adjacent). One call instead of one per term and the
   adds between them (four ``[128, 48] @ [48, 128]`` with the sum: 46 us; the stacked one: 36 us,
-  44 us with eager's copies into the stacked operands, one thread; Inductor writes many of the
-  operands' producers into the stacked buffer directly). Same products, summed in another order (float rounding). On the bench's whole
+  44 us with eager's copies into the stacked operands, one thread). Same products, summed in another order (float rounding). On the bench's whole
   steps: wgan_gp 0.975x, pinn2d 0.978x of the step without it (6 and 11 matmuls fewer; one run
   each, the machine busy with another bench); pair's sums of two terms were 1.06x slower merged,
   so a sum needs ``SUMMED_MATMUL_MIN_TERMS`` matmuls. Only where nothing is partitioned and
