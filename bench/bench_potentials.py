@@ -72,7 +72,12 @@ has the bench extra::
     pip install ase h5py pyyaml hydra-core hydra-colorlog pytorch-lightning torchmetrics rich \
         fasteners dirsync torch-ema matscipy tensorboard tqdm
 
-and it imports under torch 2.13 only with the shim in :func:`_import_schnetpack` (its
+mace imports torchmetrics (``mace.tools.train``), which imports torchvision when one is
+installed: beside the CPU torch the package index's torchvision (a CUDA build, which the bench
+extra installs for bench_models.py, whose torchvision rows it cannot run either) fails to load
+("operator torchvision::nms does not exist") and every mace row reads "not installed". Uninstall it
+from that venv for this bench (``pip uninstall torchvision``; ``make bench`` installs it again).
+schnetpack imports under torch 2.13 only with the shim in :func:`_import_schnetpack` (its
 ``schnetpack.data`` imports ``T_co`` from ``torch.utils.data.dataloader``, which torch 2.13 no
 longer defines; the shim defines it before the import, in this process only). mace-torch must be
 imported before e3nn (:func:`_import_mace`). NequIP, in a venv of its own with the same torch::
