@@ -3,8 +3,8 @@
 :func:`run` applies them to every joint vjpgen traces (:func:`vjpgen.runtime.orders.stages.trace`:
 each order's joint before it is partitioned, and the graphs nothing partitions: the whole steps of
 :class:`vjpgen.runtime.orders.diffgraph.InferenceGraph`, a vjp's grads without grad mode), in
-every structure and at every order; the matmul passes act only on the graphs nothing partitions
-(each says why). Each keeps the values the graph computes (up to the order of a float sum where it
+every structure and at every order; each pass acts only on the graphs nothing partitions (each
+says why). Each keeps the values the graph computes (up to the order of a float sum where it
 says so); ``VJPGEN_JOINT_PASSES=0`` turns them off (to measure them), read at each trace.
 
 No CSE here: torch's ``fx_graph_cse`` on the whole-step graphs (every op tagged
