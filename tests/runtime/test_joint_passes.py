@@ -41,6 +41,21 @@ def _data(n=7):
     return torch.randn(n, 5, generator=g) + 1, torch.randn(n, 5, generator=g), torch.rand(n, 1, generator=g)
 
 
+def _record_passes(monkeypatch) -> list:
+    """The list each ``joint_passes.run`` call appends its counts to (per pass, the nodes it
+    rewrote), for the rest of the test."""
+    seen = []
+    orig = joint_passes.run
+
+    def spy(gm):
+        done = orig(gm)
+        seen.append(done)
+        return done
+
+    monkeypatch.setattr(joint_passes, "run", spy)
+    return seen
+
+
 def test_whole_step_is_vjpgens_graph_with_eagers_grads(monkeypatch):
     """The step's graph is vjpgen's (a grads graph, no fallback), its matmuls with a dimension of 1
     rewritten by the pass (the critic's 16 -> 1 layer: forward, outer product, weight grad), and
@@ -48,15 +63,7 @@ def test_whole_step_is_vjpgens_graph_with_eagers_grads(monkeypatch):
     net = _critic()
     data = _data()
     ref = _wgan_gp_grads(net, *data)
-    seen = []
-    orig = joint_passes.run
-
-    def spy(gm, **kw):
-        done = orig(gm, **kw)
-        seen.append(done)
-        return done
-
-    monkeypatch.setattr(joint_passes, "run", spy)
+    seen = _record_passes(monkeypatch)
     f = torch.compile(lambda *d: _wgan_gp_grads(net, *d), backend="vjpgen", options=AOT, dynamic=False)
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         got = f(*data)
@@ -206,15 +213,7 @@ def test_every_orders_joint_gets_the_passes(monkeypatch, tao):
         return [p.grad.clone() for p in params]
 
     ref = step(gp)
-    seen = []
-    orig = joint_passes.run
-
-    def spy(gm, **kw):
-        done = orig(gm, **kw)
-        seen.append(done)
-        return done
-
-    monkeypatch.setattr(joint_passes, "run", spy)
+    seen = _record_passes(monkeypatch)
     gp_c = torch.compile(gp, backend="vjpgen", options=AOT, dynamic=False)
     with torch._dynamo.config.patch(trace_autograd_ops=tao):
         got = step(gp_c)

@@ -55,7 +55,6 @@ the cause is not found. Inductor's min-cut partitioner still runs it on the join
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 
@@ -96,42 +95,55 @@ def _static_shape(n):
     return tuple(v.shape)
 
 
-class _Ctx(NamedTuple):
-    """What a node a pass adds takes from the node it replaces: the fake mode of its value, and
-    which side of the joint it is on (``partitioner_tag``: torch's min-cut partitioner ends the
-    forward at the last node tagged forward)."""
-
-    fake_mode: object
-    tag: object
-
-
-def _ctx(node) -> _Ctx:
-    return _Ctx(node.meta["val"].fake_mode, node.meta.get("partitioner_tag"))
-
-
-def _call(graph, ctx: _Ctx, target, args, kwargs=None):
+def _call(graph, fake_mode, target, args, kwargs=None):
     node = graph.call_function(target, args, kwargs or {})
     vals = torch.fx.node.map_arg((args, kwargs or {}), lambda a: a.meta["val"])
-    with ctx.fake_mode:
+    with fake_mode:
         node.meta["val"] = target(*vals[0], **vals[1])
-    if ctx.tag is not None:
-        node.meta["partitioner_tag"] = ctx.tag
     return node
 
 
-def _matmul_as_pointwise(graph, ctx, a, b, M, K, N):
+def _matmul_parts(node):
+    """(bias or None, a, b) of an ``mm`` / plain ``addmm`` node, or None."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.mm.default and len(node.args) == 2 and not node.kwargs:
+        return None, node.args[0], node.args[1]
+    if (node.target is aten.addmm.default and len(node.args) == 3 and node.kwargs.get("beta", 1) == 1
+            and node.kwargs.get("alpha", 1) == 1):
+        return node.args
+    return None
+
+
+def _cpu_matmul(node, max_elements: int):
+    """(bias or None, a, b, (M, K, N)) of an ``mm`` / plain ``addmm`` node on the CPU, of a float
+    dtype and static 2-D sizes, with M*K*N at most ``max_elements``; None for any other node."""
+    parts = _matmul_parts(node)
+    if parts is None:
+        return None
+    bias, a, b = parts
+    sa, sb, out = _static_shape(a), _static_shape(b), node.meta.get("val")
+    if sa is None or sb is None or len(sa) != 2 or len(sb) != 2 or not isinstance(out, torch.Tensor):
+        return None
+    if not out.dtype.is_floating_point or out.device.type != "cpu" or not hasattr(out, "fake_mode"):
+        return None
+    (M, K), (_, N) = sa, sb
+    return (bias, a, b, (M, K, N)) if M * K * N <= max_elements else None
+
+
+def _matmul_as_pointwise(graph, fake_mode, a, b, M, K, N):
     """``a @ b`` (``[M, K] @ [K, N]``, one of M, K, N is 1) as a broadcast multiply and a sum:
     nodes before the current insertion point."""
     if K == 1:  # an outer product: one multiply, exact
-        return _call(graph, ctx, aten.mul.Tensor, (a, b))
+        return _call(graph, fake_mode, aten.mul.Tensor, (a, b))
     if M == 1:  # [1, K] @ [K, N]: sum over K of a[k] * b[k, :]
-        at = _call(graph, ctx, aten.view.default, (a, [K, 1]))
-        prod = _call(graph, ctx, aten.mul.Tensor, (at, b))
-        return _call(graph, ctx, aten.sum.dim_IntList, (prod, [0], True))
+        at = _call(graph, fake_mode, aten.view.default, (a, [K, 1]))
+        prod = _call(graph, fake_mode, aten.mul.Tensor, (at, b))
+        return _call(graph, fake_mode, aten.sum.dim_IntList, (prod, [0], True))
     # N == 1: [M, K] @ [K, 1]: sum over K of a[:, k] * b[k]
-    bt = _call(graph, ctx, aten.view.default, (b, [1, K]))
-    prod = _call(graph, ctx, aten.mul.Tensor, (a, bt))
-    return _call(graph, ctx, aten.sum.dim_IntList, (prod, [1], True))
+    bt = _call(graph, fake_mode, aten.view.default, (b, [1, K]))
+    prod = _call(graph, fake_mode, aten.mul.Tensor, (a, bt))
+    return _call(graph, fake_mode, aten.sum.dim_IntList, (prod, [1], True))
 
 
 def small_matmuls(gm: torch.fx.GraphModule) -> int:
@@ -144,35 +156,18 @@ def small_matmuls(gm: torch.fx.GraphModule) -> int:
         return 0
     n_done = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+        m = _cpu_matmul(node, SMALL_MATMUL_MAX_ELEMENTS)
+        if m is None:
             continue
-        if node.target is aten.addmm.default:
-            if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 3:
-                continue
-            bias, a, b = node.args
-        else:
-            if len(node.args) != 2 or node.kwargs:
-                continue
-            bias = None
-            a, b = node.args
-        sa, sb, so = _static_shape(a), _static_shape(b), _static_shape(node)
-        if sa is None or sb is None or so is None or len(sa) != 2 or len(sb) != 2:
+        bias, a, b, (M, K, N) = m
+        if min(M, K, N) != 1 or (bias is not None and _static_shape(bias) is None):
             continue
         out = node.meta["val"]
-        if not out.dtype.is_floating_point or out.device.type != "cpu":
-            continue
-        if bias is not None and _static_shape(bias) is None:
-            continue
-        (M, K), (_, N) = sa, sb
-        if min(M, K, N) != 1 or M * K * N > SMALL_MATMUL_MAX_ELEMENTS:
-            continue
-        if not hasattr(out, "fake_mode"):
-            continue
-        ctx = _ctx(node)
+        so, fake_mode = tuple(out.shape), out.fake_mode
         with graph.inserting_before(node):
-            new = _matmul_as_pointwise(graph, ctx, a, b, M, K, N)
+            new = _matmul_as_pointwise(graph, fake_mode, a, b, M, K, N)
             if bias is not None:
-                new = _call(graph, ctx, aten.add.Tensor, (new, bias))
+                new = _call(graph, fake_mode, aten.add.Tensor, (new, bias))
         if tuple(new.meta["val"].shape) != so or new.meta["val"].dtype != out.dtype:
             raise AssertionError(f"vjpgen: small_matmuls rewrote {node} to the wrong shape")  # (a bug here)
         node.replace_all_uses_with(new)
@@ -198,18 +193,6 @@ def _mutates(graph) -> bool:
                and n.target._schema.is_mutable for n in graph.nodes)
 
 
-def _matmul_parts(node):
-    """(bias or None, a, b) of an ``mm`` / plain ``addmm`` node, or None."""
-    if node.op != "call_function":
-        return None
-    if node.target is aten.mm.default and len(node.args) == 2 and not node.kwargs:
-        return None, node.args[0], node.args[1]
-    if (node.target is aten.addmm.default and len(node.args) == 3 and node.kwargs.get("beta", 1) == 1
-            and node.kwargs.get("alpha", 1) == 1):
-        return node.args
-    return None
-
-
 def shared_operand_matmuls(gm: torch.fx.GraphModule) -> int:
     """Matmuls of one right operand (and bias), none depending on another, as one matmul of their
     left operands stacked (see the module docstring); returns how many matmuls went."""
@@ -219,23 +202,15 @@ def shared_operand_matmuls(gm: torch.fx.GraphModule) -> int:
     idx, anc = _ancestors(graph)
     groups: dict = {}
     for node in graph.nodes:
-        parts = _matmul_parts(node)
-        if parts is None:
+        m = _cpu_matmul(node, SHARED_MATMUL_MAX_ELEMENTS)
+        if m is None:
             continue
-        bias, a, b = parts
-        sa, sb, so = _static_shape(a), _static_shape(b), _static_shape(node)
-        if sa is None or sb is None or so is None or len(sa) != 2 or len(sb) != 2:
-            continue
-        out = node.meta["val"]
-        if not out.dtype.is_floating_point or out.device.type != "cpu" or not hasattr(out, "fake_mode"):
-            continue
-        if bias is not None and (not isinstance(bias, torch.fx.Node) or _static_shape(bias) != (sb[1],)):
+        bias, a, b, (M, K, N) = m
+        if bias is not None and (not isinstance(bias, torch.fx.Node) or _static_shape(bias) != (N,)):
             continue  # (a bias of one row, broadcast over the stacked rows)
-        if sa[0] * sa[1] * sb[1] > SHARED_MATMUL_MAX_ELEMENTS:
-            continue
         # (one weight's transposes are separate nodes: each use of a Linear transposes it anew)
         operand = ("t", b.args[0]) if _is_transpose(b) else b
-        key = (node.target, operand, bias, out.dtype)
+        key = (node.target, operand, bias, node.meta["val"].dtype)
         groups.setdefault(key, []).append(node)
     n_done = 0
     for members in groups.values():
@@ -246,19 +221,19 @@ def shared_operand_matmuls(gm: torch.fx.GraphModule) -> int:
         if len(group) < 2:
             continue
         bias, _, b = _matmul_parts(group[0])
-        ctx = _ctx(group[0])
+        fake_mode = group[0].meta["val"].fake_mode
         first = min(group, key=lambda m: idx[m])
         with graph.inserting_before(first):
             rows = [_matmul_parts(m)[1] for m in group]
-            stacked = _call(graph, ctx, aten.cat.default, (rows, 0))
+            stacked = _call(graph, fake_mode, aten.cat.default, (rows, 0))
             if bias is None:
-                big = _call(graph, ctx, aten.mm.default, (stacked, b))
+                big = _call(graph, fake_mode, aten.mm.default, (stacked, b))
             else:
-                big = _call(graph, ctx, aten.addmm.default, (bias, stacked, b))
+                big = _call(graph, fake_mode, aten.addmm.default, (bias, stacked, b))
             off = 0
             for m in group:
                 M = _static_shape(m)[0]
-                part = _call(graph, ctx, aten.slice.Tensor, (big, 0, off, off + M))
+                part = _call(graph, fake_mode, aten.slice.Tensor, (big, 0, off, off + M))
                 off += M
                 m.replace_all_uses_with(part)
         for m in group:
@@ -326,13 +301,9 @@ def summed_matmuls(gm: torch.fx.GraphModule) -> int:
         return (n.op == "call_function" and n.target is aten.add.Tensor and len(n.args) == 2 and not n.kwargs
                 and all(isinstance(a, torch.fx.Node) for a in n.args))
 
-    def is_mm(n):
-        if not (n.op == "call_function" and n.target is aten.mm.default and len(n.users) == 1):
-            return False
-        sa, sb = _static_shape(n.args[0]), _static_shape(n.args[1])
-        v = n.meta.get("val")
-        return (sa is not None and sb is not None and isinstance(v, torch.Tensor) and v.device.type == "cpu"
-                and v.dtype.is_floating_point and sa[0] * sa[1] * sb[1] <= SHARED_MATMUL_MAX_ELEMENTS)
+    def is_mm(n):  # a plain mm (a term of the sum) read by nothing else
+        return (n.target is aten.mm.default and len(n.users) == 1
+                and _cpu_matmul(n, SHARED_MATMUL_MAX_ELEMENTS) is not None)
 
     def inner(n):  # a node a sum descends into: its one user is the sum
         return len(n.users) == 1 and (is_add(n) or _is_transpose(n))
@@ -371,24 +342,24 @@ def summed_matmuls(gm: torch.fx.GraphModule) -> int:
         mms = [(n, flip) for n, flip in leaves if is_mm(n) and n.meta["val"].dtype == val.dtype]
         if not ok or len(mms) < SUMMED_MATMUL_MIN_TERMS:
             continue
-        ctx = _ctx(root)
+        fake_mode = val.fake_mode
 
         def T(x):  # x transposed: its input where x is a transpose
-            return x.args[0] if _is_transpose(x) else _call(graph, ctx, aten.permute.default, (x, [1, 0]))
+            return x.args[0] if _is_transpose(x) else _call(graph, fake_mode, aten.permute.default, (x, [1, 0]))
 
         with graph.inserting_before(root):
             pairs = [(T(m.args[1]), T(m.args[0])) if flip else (m.args[0], m.args[1]) for m, flip in mms]
             lefts = [a for a, _ in pairs]
             if all(_is_transpose(a) for a in lefts):  # [G1^T G2^T] = [G1; G2]^T: the rows stacked
-                left = _call(graph, ctx, aten.permute.default,
-                             (_call(graph, ctx, aten.cat.default, ([a.args[0] for a in lefts], 0)), [1, 0]))
+                left = _call(graph, fake_mode, aten.permute.default,
+                             (_call(graph, fake_mode, aten.cat.default, ([a.args[0] for a in lefts], 0)), [1, 0]))
             else:
-                left = _call(graph, ctx, aten.cat.default, (lefts, 1))
-            right = _call(graph, ctx, aten.cat.default, ([b for _, b in pairs], 0))
-            total = _call(graph, ctx, aten.mm.default, (left, right))
+                left = _call(graph, fake_mode, aten.cat.default, (lefts, 1))
+            right = _call(graph, fake_mode, aten.cat.default, ([b for _, b in pairs], 0))
+            total = _call(graph, fake_mode, aten.mm.default, (left, right))
             for n, flip in leaves:
                 if (n, flip) not in mms:
-                    total = _call(graph, ctx, aten.add.Tensor, (total, T(n) if flip else n))
+                    total = _call(graph, fake_mode, aten.add.Tensor, (total, T(n) if flip else n))
         root.replace_all_uses_with(total)
         n_done += len(mms) - 1
     return n_done
