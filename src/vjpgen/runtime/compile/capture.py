@@ -641,12 +641,17 @@ def realize_scalars(gm: torch.fx.GraphModule) -> int:
 
 
 def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str = "a backward graph",
-                  patches: dict | None = None, internal_from: int | None = None):
+                  patches: dict | None = None, internal_from: int | None = None, output_strides: list | None = None):
     """Compile a traced graph into a *boxed* callable: ``fn(args: list) -> list``; logs one INFO
     line with the graph's size and the seconds it took. ``internal_from``: the outputs from this
     position on are vjpgen's own (a forward's saved values, read only by its backward), which may
     be returned as the compiled code makes them where they alias an input or another output (see
-    :func:`_direct`).
+    :func:`_direct`). ``output_strides``: a list that Inductor's compile fills with the strides of
+    the outputs its code returns (None for an output it does not report; the list stays empty for
+    other backends, whose outputs have the graph's strides). Inductor picks the layout of an output
+    the user never sees as it likes (a forward's saved value written straight into the ``cat`` that
+    also reads it: a view of the wider buffer): whoever compiles a graph that reads these outputs
+    compiles it for these strides (see :func:`vjpgen.runtime.orders.stages.compile_halves`).
 
     The callee empties ``args`` before it runs (the calling convention of AOTAutograd's boxed
     functions and of compiled autograd), so the compiled code holds the only references to its
@@ -656,7 +661,7 @@ def compile_graph(gm: torch.fx.GraphModule, fake_args, backend: str, label: str 
     """
     t0 = time.perf_counter()
     ref = copy_graph(gm) if checking() and backend != "eager" else None
-    fn = _compile_graph(gm, fake_args, backend, patches, internal_from)
+    fn = _compile_graph(gm, fake_args, backend, patches, internal_from, output_strides)
     if ref is not None:
         fn = _checked(fn, ref, label, backend_name(backend))
     if log.isEnabledFor(logging.INFO):  # (counting the ops is a walk of the graph: only when shown)
@@ -781,6 +786,21 @@ def _difference(got: torch.Tensor, want: torch.Tensor, rtol: float | None) -> st
     return None
 
 
+def _output_strides(compiled, example_inputs) -> list:
+    """The strides of the outputs of Inductor's compiled graph, as it lays them out (symbolic in a
+    dynamic graph's symbols): read from its ``output_strides`` (the expressions Inductor reports to
+    AOTAutograd; ``TracingContext.output_strides`` holds them evaluated at the first call's sizes,
+    which a dynamic graph must not take). Empty where this torch's compiled graph has none."""
+    from torch._inductor.utils import shape_env_from_inputs
+
+    exprs = getattr(compiled, "output_strides", None)
+    if not exprs:
+        return []
+    env = shape_env_from_inputs(example_inputs)
+    return [None if e is None else tuple(int(x) if env is None else env.deserialize_symexpr(x) for x in e)
+            for e in exprs]
+
+
 def backend_name(backend) -> str:
     return backend if isinstance(backend, str) else getattr(backend, "__name__", "a custom backend")
 
@@ -792,7 +812,8 @@ def progress(region, backend, what: str = ""):
     )
 
 
-def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None, internal_from=None):
+def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None, internal_from=None,
+                   output_strides=None):
     from torch._dynamo.utils import GmWrapper
 
     fake_args = list(fake_args)
@@ -820,6 +841,8 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None, i
             out = inductor_fixes.inner_compile(g, example_inputs, *args, **kwargs)
             ctx = torch._guards.TracingContext.try_get()
             seen.update(code=out, n_inputs=len(example_inputs), meta=getattr(ctx, "fw_metadata", None))
+            if output_strides is not None:
+                output_strides[:] = _output_strides(out, example_inputs)
             return out
 
         # AOTAutograd's own cache would skip inner_compile (and with it the metadata _direct needs);

@@ -143,8 +143,35 @@ def compile_halves(halves: Halves, fakes, fake_mode, compiler: str, what: str, p
         # (the forward's saved values, read only by its backward, as Inductor returns them: the
         # primals and views of them it saves are not regenerated as aliases on each call)
         n_fw = len(next(iter(halves.fw_gm.graph.find_nodes(op="output"))).args[0]) - len(halves.saved)
+        strides: list = []
         fw = capture.compile_graph(halves.fw_gm, list(fakes), compiler, f"the forward of {what}", patches,
-                                   internal_from=n_fw)
-        bw = capture.compile_graph(halves.bw_gm, placeholder_vals(halves.bw_gm), compiler,
-                                   f"the backward of {what}", patches)
+                                   internal_from=n_fw, output_strides=strides)
+        bw_fakes = saved_as_returned(placeholder_vals(halves.bw_gm), halves.bw_args, strides[n_fw:])
+        bw = capture.compile_graph(halves.bw_gm, bw_fakes, compiler, f"the backward of {what}", patches)
     return fw, bw
+
+
+def saved_as_returned(bw_fakes: list, bw_args: tuple, saved_strides: list) -> list:
+    """The backward's example inputs with each saved value at the strides the compiled forward
+    returns it with (``saved_strides``, per saved value; empty where the compiler did not report
+    them): Inductor lays out a value only the backward reads as it likes, and the backward's
+    compiled code reads its inputs at the strides it was compiled for (its stride asserts are off).
+    MACE's forces step saved a ``[16, 20]`` value as a view of an 80-wide buffer where the
+    partition had traced a 64-wide one, and trained 3e-3 off eager's until this (as AOTAutograd
+    restrides its backward's placeholders after compiling the forward)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_true
+
+    out = list(bw_fakes)
+    for i, (kind, k) in enumerate(bw_args):
+        f = out[i]
+        st = saved_strides[k] if kind == "saved" and k < len(saved_strides) else None
+        if st is None or not isinstance(f, torch.Tensor) or len(st) != f.dim():
+            continue
+        env = getattr(f.fake_mode, "shape_env", None) if hasattr(f, "fake_mode") else None
+        with env.suppress_guards() if env is not None else contextlib.nullcontext():
+            differs = any(guard_or_true(a != b) for a, b in zip(f.stride(), st))
+        if differs:
+            with f.fake_mode:
+                out[i] = torch.empty_strided(f.shape, st, dtype=f.dtype, device=f.device,
+                                             requires_grad=f.requires_grad)
+    return out
