@@ -194,8 +194,9 @@ def test_every_orders_joint_gets_the_passes(monkeypatch, tao):
     """The gradient penalty inside the compiled critic call, loss and ``backward()`` outside (the
     structure of MLIP code): each joint vjpgen traces for it goes through the passes (default
     dynamo: the graph before the grad call, then its create_graph vjp, the next order's joint;
-    ``trace_autograd_ops``: one graph holding the grad; the matmul passes leave partitioned joints
-    alone), and the grads equal eager's."""
+    ``trace_autograd_ops``: one graph holding the grad; the critic's scalar output layer is a
+    small matmul in the ones that run the critic, and the stacking and summing passes leave partitioned joints alone), and
+    the grads equal eager's."""
     net = _critic()
     params = list(net.parameters())
     real, fake, eps = _data()
@@ -221,7 +222,8 @@ def test_every_orders_joint_gets_the_passes(monkeypatch, tao):
     # (how many joints are traced varies: in one fresh-clone `make test` the default-dynamo case
     # traced one where it traces three alone; the cause is not found)
     assert seen, seen
-    assert not any(d["small_matmuls"] or d["shared_operand_matmuls"] or d["summed_matmuls"] for d in seen), seen
+    assert any(d["small_matmuls"] for d in seen), seen
+    assert not any(d["shared_operand_matmuls"] or d["summed_matmuls"] for d in seen), seen
     for a, c in zip(ref, got):
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
 

@@ -3,8 +3,8 @@
 :func:`run` applies them to every joint vjpgen traces (:func:`vjpgen.runtime.orders.stages.trace`:
 each order's joint before it is partitioned, and the graphs nothing partitions: the whole steps of
 :class:`vjpgen.runtime.orders.diffgraph.InferenceGraph`, a vjp's grads without grad mode), in
-every structure and at every order; each pass acts only on the graphs nothing partitions (each
-says why). Each keeps the values the graph computes (up to the order of a float sum where it
+every structure and at every order; the stacking and summing passes act only on the graphs
+nothing partitions (each says why). Each keeps the values the graph computes (up to the order of a float sum where it
 says so); ``VJPGEN_JOINT_PASSES=0`` turns them off (to measure them), read at each trace.
 
 No CSE here: torch's ``fx_graph_cse`` on the whole-step graphs (every op tagged
@@ -22,11 +22,12 @@ the cause is not found. Inductor's min-cut partitioner still runs it on the join
   On the bench's whole steps it took pair 0.255 -> 0.239 ms, pinn2d 0.269 -> 0.251, wgan_gp
   0.307 -> 0.296. A dimension of 2 (pinn2d's 2-D input layer, as a ``[M, K, 1] * [1, K, N]``
   product summed over K) was slower: pinn2d 0.277 -> 0.410 ms (Inductor's reduction over a middle
-  dimension), so it stays a BLAS call. Only in graphs nothing partitions (the whole steps): on the
-  partitioned joint of MACE's forces step (``bench/bench_potentials.py --case mace-pos backend``,
-  Inductor) its 17 rewrites together gave grads 3e-3 off eager's (its forward ones alone and its
-  backward ones alone did not; the cause is not found), and on the bench's forces-compiled and
-  runtime steps it had gained 1-3%.
+  dimension), so it stays a BLAS call. Also in the joints to be partitioned: the bench's
+  forces-compiled steps 0.97x (pair), 0.98x (pinn2d, wgan_gp) of the step without it (in-process
+  A/B). (It was kept out of them for a while: on MACE's forces step, ``bench/bench_potentials.py
+  --case mace-pos backend``, its 17 rewrites gave grads 3e-3 off eager's. The pass was not wrong:
+  Inductor returned a saved value at other strides than the partition traced, and the backward was
+  compiled for the traced ones; see ``stages.saved_as_returned``.)
 * :func:`shared_operand_matmuls`: matmuls with one right operand (and bias), none depending on
   another, as one matmul of their left operands stacked, sliced after: a critic applied to the
   real, the fake and the interpolated batch (WGAN-GP), a net on the interior and the boundary
@@ -149,11 +150,9 @@ def _matmul_as_pointwise(graph, fake_mode, a, b, M, K, N):
 def small_matmuls(gm: torch.fx.GraphModule) -> int:
     """Rewrite each ``aten.mm`` / ``aten.addmm`` (alpha = beta = 1) on the CPU, of static float
     sizes, whose M, K or N is 1 (and M*K*N at most ``SMALL_MATMUL_MAX_ELEMENTS``) as a multiply
-    and a sum (see the module docstring), in a graph nothing will partition. Returns how many it
-    rewrote."""
+    and a sum (see the module docstring). In a joint to be partitioned the new nodes carry the
+    matmul's partitioner and checkpointing tags. Returns how many it rewrote."""
     graph = gm.graph
-    if _partitioned(graph):
-        return 0
     n_done = 0
     for node in list(graph.nodes):
         m = _cpu_matmul(node, SMALL_MATMUL_MAX_ELEMENTS)
@@ -164,10 +163,16 @@ def small_matmuls(gm: torch.fx.GraphModule) -> int:
             continue
         out = node.meta["val"]
         so, fake_mode = tuple(out.shape), out.fake_mode
+        prev = node.prev
         with graph.inserting_before(node):
             new = _matmul_as_pointwise(graph, fake_mode, a, b, M, K, N)
             if bias is not None:
                 new = _call(graph, fake_mode, aten.add.Tensor, (new, bias))
+        tags = {k: node.meta[k] for k in _PARTITIONER_META if k in node.meta}
+        n = prev.next
+        while n is not node:
+            n.meta.update(tags)
+            n = n.next
         if tuple(new.meta["val"].shape) != so or new.meta["val"].dtype != out.dtype:
             raise AssertionError(f"vjpgen: small_matmuls rewrote {node} to the wrong shape")  # (a bug here)
         node.replace_all_uses_with(new)
@@ -276,6 +281,11 @@ def _is_transpose(n) -> bool:
     if n.target is aten.t.default:
         return True
     return n.target is aten.permute.default and list(n.args[1]) == [1, 0]
+
+
+# what torch's partitioners read of a node: which half it belongs to (the joint tracer's tag) and
+# activation checkpointing's recompute policy
+_PARTITIONER_META = ("partitioner_tag", "recompute", "ac_graph_id")
 
 
 def _partitioned(graph) -> bool:
