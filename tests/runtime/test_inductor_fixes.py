@@ -29,8 +29,15 @@ def _renames(idx, src, y, u):
     return c, m * y[:, None, :], m
 
 
+def _cat_mutated(idx, src, x, a):
+    """``h`` is written into the cat's buffer, and the index_put of ``h`` (reinplaced: nothing
+    reads ``h`` after it) scatters into the cat (7.9 off). From docs/repros/inductor_cat_input_mutated.py."""
+    h = x * 2
+    return torch.cat([h, a], 1), h.index_put((idx,), src, accumulate=True)
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["tile2d_atomic_add", "mutation_rename_after_recompute"])
+@pytest.mark.parametrize("case", ["tile2d_atomic_add", "mutation_rename_after_recompute", "cat_input_mutated"])
 def test_the_miscompiles_give_eagers_values(case):
     """vjpgen's compile of each repro graph matches eager (two threads, as on this box; each fails
     with VJPGEN_INDUCTOR_FIXES=0), and the workaround that changed its code is counted."""
@@ -41,6 +48,9 @@ def test_the_miscompiles_give_eagers_values(case):
         # (never the last row: a regressed fix gives wrong values, not a write past the buffer)
         f, args = _tile2d, (torch.randn(C, E, generator=g), torch.randn(E, C, generator=g),
                             torch.randint(0, N - 1, (E,), generator=g))
+    elif case == "cat_input_mutated":
+        f, args = _cat_mutated, (torch.randint(0, N, (E,), generator=g), torch.randn(E, C, generator=g),
+                                 torch.randn(N, C, generator=g), torch.randn(N, C, generator=g))
     else:
         f, args = _renames, (torch.randint(0, N, (E,), generator=g), torch.randn(E, 3, C, generator=g),
                              torch.randn(N, C, generator=g), torch.randn(N, 3, C, generator=g))
@@ -97,12 +107,15 @@ def test_torch_has_the_hooks_the_fixes_patch():
     """A torch whose Inductor renamed these methods would silently lose the fixes: fail here instead
     (then re-check the repros in docs/repros/ against that torch)."""
     import torch._inductor.codegen.cpp as cpp
+    import torch._inductor.ir as ir
     import torch._inductor.scheduler as scheduler
 
     assert hasattr(cpp.CppTile2DKernel, "store") and hasattr(cpp.CppVecKernel, "store")
     assert hasattr(scheduler.SchedulerNode, "recompute_size_and_body")
+    assert hasattr(ir.ConcatKernel, "create") and hasattr(ir.ConcatKernel, "can_realize_into_without_copy")
     inductor_fixes.install()
-    assert inductor_fixes._INSTALLED == {"tile2d_atomic_add": True, "mutation_rename_after_recompute": True}
+    assert inductor_fixes._INSTALLED == {"tile2d_atomic_add": True, "mutation_rename_after_recompute": True,
+                                         "cat_input_mutated": True}
 
 
 def test_fx_graph_cache_key_names_the_fixes(monkeypatch):

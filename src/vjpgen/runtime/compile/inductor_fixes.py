@@ -16,6 +16,15 @@ vjpgen compiles (not to the user's own ``torch.compile`` calls) and counted in
   a buffer after a scatter mutated it then depends on the buffer's name before the mutation, no
   longer waits for the scatter, and reads the buffer before it (PaiNN's forces wrong by 2e-2).
   The fix applies the renames after every recompute (as ``refresh_dependencies`` does). No cost.
+- ``cat_input_mutated``: ``ConcatKernel`` writes a ``cat`` input straight into the cat's buffer (the
+  input's buffer becomes a view of it), and Inductor's reinplacing turns a later functional
+  ``index_put`` of that input (``h.index_put(idx, src, accumulate=True)`` after ``torch.cat([h,
+  a])``: its base has no later reader) into ``index_put_``, which then writes into the cat's
+  output: the cat is wrong (7.9 off in the repro; a 5-line function under plain ``torch.compile``;
+  one of schnetpack PaiNN's graphs 0.23 off). The same holds for a mutated cat result (pytorch
+  issue 177821). The fix: a cat input whose storage an op of the graph writes in place, or every
+  input of a cat whose result is written in place, is copied into the cat instead. It costs that
+  copy, only in such graphs.
 
 The patched methods are installed once, on the first vjpgen Inductor compile, and do something
 only inside :func:`active` (a context variable: another thread's compile is unaffected). Inductor's
@@ -30,12 +39,14 @@ import contextvars
 import logging
 import os
 
+import torch
+
 from ..stats import STATS
 
 log = logging.getLogger("vjpgen")
 
 # bump when a workaround changes: the FX graph cache key changes with it
-VERSION = 1
+VERSION = 2
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vjpgen_inductor_fixes", default=None)
 _INSTALLED: dict = {}  # workaround name -> installed (False: torch's code no longer has the hook)
@@ -95,16 +106,87 @@ def _install_recompute_rename(scheduler) -> bool:
     return True
 
 
+def _storage(a):
+    """The storage of an FX node's fake value (views of one tensor share it), or None."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+    if not isinstance(v, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(v.untyped_storage())
+    except Exception:  # noqa: BLE001 - a tensor without storage (a subclass): not tracked
+        return None
+
+
+def _written_storages(graph) -> frozenset:
+    """The storages that an op of the post-grad FX ``graph`` writes in place: an argument its
+    schema marks written (``index_put_``, ``copy_``, ...) or the base of Inductor's in-place
+    generalized scatter (``slice_scatter`` reinplaced)."""
+    out = set()
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        written = []
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+                    written.extend(v if isinstance(v, (list, tuple)) else [v])
+        elif getattr(n.target, "__name__", "") == "_inplace_generalized_scatter":
+            written.append(n.args[0])
+        out.update(st for st in map(_storage, written) if st is not None)
+    return frozenset(out)
+
+
+def _install_cat_input_mutated(ir) -> bool:
+    kernel = getattr(ir, "ConcatKernel", None)
+    orig = getattr(kernel, "create", None)
+    if orig is None or not hasattr(ir, "TensorBox"):
+        return False
+    from torch._inductor.virtualized import V
+
+    orig_fn = orig.__func__
+
+    def create(cls, inputs, dim):
+        node = getattr(V.graph, "current_node", None) if _ACTIVE.get() is not None else None
+        args = node.args[0] if node is not None and node.args else ()
+        if node is not None and node.target is torch.ops.aten.cat.default and len(args) == len(inputs):
+            # (what the graph writes in place, once per lowering of it)
+            hit = getattr(node.graph, "_vjpgen_written", None)
+            if hit is None or hit[0] is not V.graph:
+                hit = (V.graph, _written_storages(node.graph))
+                node.graph._vjpgen_written = hit
+            written = hit[1]
+            if written:
+                every = _storage(node) in written
+                for a, x in zip(args, inputs):
+                    if (every or _storage(a) in written) and isinstance(x, ir.TensorBox) \
+                            and isinstance(x.data, ir.StorageBox):
+                        x.realize()
+                        if kernel.can_realize_into_without_copy(x):
+                            x.freeze_layout()  # a buffer of its own: the cat copies it
+                            _note("cat_input_mutated")
+        return orig_fn(cls, inputs, dim)
+
+    create._vjpgen_fix = True
+    kernel.create = classmethod(create)
+    return True
+
+
 def install() -> None:
     """Install the patched methods (once; a torch whose code lacks a hook is logged, not patched)."""
     if _INSTALLED:
         return
     import torch._inductor.codegen.cpp as cpp
+    import torch._inductor.ir as ir
     import torch._inductor.scheduler as scheduler
 
     for name, fn, mod in (
         ("tile2d_atomic_add", _install_tile2d, cpp),
         ("mutation_rename_after_recompute", _install_recompute_rename, scheduler),
+        ("cat_input_mutated", _install_cat_input_mutated, ir),
     ):
         try:
             _INSTALLED[name] = fn(mod)
