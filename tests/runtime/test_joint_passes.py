@@ -47,8 +47,8 @@ def _record_passes(monkeypatch) -> list:
     seen = []
     orig = joint_passes.run
 
-    def spy(gm):
-        done = orig(gm)
+    def spy(gm, **kw):
+        done = orig(gm, **kw)
         seen.append(done)
         return done
 
@@ -71,6 +71,8 @@ def test_whole_step_is_vjpgens_graph_with_eagers_grads(monkeypatch):
     b = rt.stats()["backend"]
     assert b["grad_inference_graphs"] == 1 and b["fallbacks"] == 0 and b["inference_graphs"] == 0, b
     assert seen and seen[0]["small_matmuls"] >= 3, seen
+    # common subexpressions across orders: the penalty's vjp recomputes the critic's forward masks
+    assert seen[0]["cse"] > 0, seen
     # the critic on the interpolated, the fake and the real batch: its two hidden layers' matmuls
     # stacked (3 -> 1 each)
     assert seen[0]["shared_operand_matmuls"] >= 4, seen
@@ -194,7 +196,8 @@ def test_every_orders_joint_gets_the_passes(monkeypatch, tao):
     """The gradient penalty inside the compiled critic call, loss and ``backward()`` outside (the
     structure of MLIP code): each joint vjpgen traces for it goes through the passes (default
     dynamo: the graph before the grad call, then its create_graph vjp, the next order's joint;
-    ``trace_autograd_ops``: one graph holding the grad; the critic's scalar output layer is a
+    ``trace_autograd_ops``: one graph holding the grad; CSE under ``aot_eager``'s partitioner,
+    which has none of its own; the critic's scalar output layer is a
     small matmul in the ones that run the critic, and the stacking and summing passes leave partitioned joints alone), and
     the grads equal eager's."""
     net = _critic()
@@ -222,10 +225,50 @@ def test_every_orders_joint_gets_the_passes(monkeypatch, tao):
     # (how many joints are traced varies: in one fresh-clone `make test` the default-dynamo case
     # traced one where it traces three alone; the cause is not found)
     assert seen, seen
+    assert any(d["cse"] > 0 for d in seen), seen
     assert any(d["small_matmuls"] for d in seen), seen
     assert not any(d["shared_operand_matmuls"] or d["summed_matmuls"] for d in seen), seen
     for a, c in zip(ref, got):
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+
+
+def test_cse_merges_duplicates_and_keeps_random_ops_and_mutations_apart():
+    """The CSE pass on real tensors: a repeated subexpression computed once, with the graph's values;
+    two ``randn_like`` calls (random: each its own draw) and two reads of a tensor on either side
+    of an in-place write kept apart."""
+    aten = torch.ops.aten
+
+    def fn(x, y):
+        a = aten.mul.Tensor(aten.sin.default(x), y)
+        b = aten.mul.Tensor(aten.sin.default(x), y)
+        # (the draws inside the graph: torch's pass never merges a graph output)
+        return aten.add.Tensor(a, b), aten.sub.Tensor(aten.randn_like.default(x), aten.randn_like.default(x))
+
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    gm = make_fx(fn, tracing_mode="fake")(x, y)
+    ref = gm(x, y)
+    assert joint_passes.cse(gm) == 2  # the second sin and mul
+    gm.recompile()
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(aten.sin.default) == 1 and ops.count(aten.randn_like.default) == 2, ops
+    got = gm(x, y)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0)
+    assert bool((got[1] != 0).all())  # two draws, not one draw minus itself
+
+    # a read of y, y written in place, the same read again: two values (the graph by hand, as a
+    # functionalized trace never has it)
+    g = torch.fx.Graph()
+    yp = g.placeholder("y")
+    s1 = g.call_function(aten.sum.default, (yp,))
+    w = g.call_function(aten.add_.Tensor, (yp, 1.0))
+    s2 = g.call_function(aten.sum.default, (yp,))
+    g.output((s1, s2, w))
+    gm2 = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert joint_passes.cse(gm2) == 0
+    gm2.recompile()
+    y0 = torch.ones(5)
+    a, b, _ = gm2(y0)
+    assert float(a) == 5.0 and float(b) == 10.0
 
 
 def test_shared_operand_matmuls_keep_the_values_and_the_dependencies():
@@ -313,7 +356,7 @@ def test_summed_matmuls_keep_the_values():
         s = aten.add.Tensor(aten.mm.default(a1, b1), aten.t.default(aten.mm.default(a2, b2)))
         s = aten.add.Tensor(s, aten.mm.default(aten.t.default(g3), x3))
         s = aten.add.Tensor(s, c)
-        shared = aten.mm.default(a1, b1)  # (read twice below: not a term of one sum)
+        shared = aten.mm.default(a1, b1)  # (read twice below: not a term of one sum; CSE not run here)
         kept = aten.add.Tensor(aten.add.Tensor(shared, aten.mm.default(a1, b1)), bias)  # broadcast term
         # a sum returned transposed (its root reached through the transpose above it)
         r = aten.add.Tensor(aten.t.default(aten.mm.default(a2, b2)), aten.mm.default(g3.t(), x3))

@@ -441,6 +441,14 @@ def partition(joint_gm: torch.fx.GraphModule, meta: JointMeta, compiler: str):
     return default_partition(joint_gm, None, num_fwd_outputs=n)
 
 
+def partitioner_cses(compiler: str) -> bool:
+    """Whether :func:`partition` merges the joint's common subexpressions itself: torch's min-cut
+    partitioner does (functorch's ``cse`` setting, on by default), the default one does not."""
+    from torch._functorch import config
+
+    return compiler == "inductor" and bool(config.cse)
+
+
 _COMPARISONS = frozenset(getattr(getattr(torch.ops.aten, name), overload)
                          for name in ("gt", "lt", "ge", "le", "eq", "ne") for overload in ("Scalar", "Tensor"))
 

@@ -7,11 +7,20 @@ every structure and at every order; the stacking and summing passes act only on 
 nothing partitions (each says why). Each keeps the values the graph computes (up to the order of a float sum where it
 says so); ``VJPGEN_JOINT_PASSES=0`` turns them off (to measure them), read at each trace.
 
-No CSE here: torch's ``fx_graph_cse`` on the whole-step graphs (every op tagged
-``nondeterministic_seeded`` kept apart) gained 1-10% on the bench's whole steps, but
-schnetpack's PaiNN whole step trained 1.2e-2 off eager's with it (``bench/bench_potentials.py
---case painn backend-whole``; 4.2e-6 without), also with the graphs that write in place left out;
-the cause is not found. Inductor's min-cut partitioner still runs it on the joints it partitions.
+* :func:`cse`: common subexpressions, across orders: a create_graph grad's vjp recomputes values
+  the order before it computed (its forward, the masks and transposes of its formulas), and one
+  graph holding every order (a whole step) holds both. torch's ``fx_graph_cse`` (AOTAutograd's;
+  it keeps ops apart across a mutation of their inputs), with every op tagged
+  ``nondeterministic_seeded`` kept as it is (its list names a few random ops, not e.g.
+  ``randn_like``). Torch's min-cut partitioner (Inductor's) runs the same CSE on a joint it
+  partitions, so there this pass is skipped (torch's CSE is not cheap: 1.3 s on a 12,500-node
+  graph); it adds CSE where nothing is partitioned (the whole-step graphs) and under the default
+  partitioner (``aot_eager``). On the bench's whole steps it took each step to 0.90-0.96x of the
+  step without it for pair, 0.91-0.99x for pinn2d, 0.98-0.99x for wgan_gp (three runs, before the
+  matmul passes). It was withdrawn for a while: schnetpack's PaiNN whole step trained 1.2e-2 off
+  eager's with it. The pass was not wrong: one CSE'd graph met an Inductor miscompile (a ``cat``
+  input scattered into afterwards), which vjpgen now works around (``inductor_fixes``,
+  ``cat_input_mutated``); PaiNN's whole step with it: 4.6e-6.
 
 * :func:`small_matmuls`: a matmul with a dimension of 1 (an MLP's scalar output layer: its forward
   ``[B, H] @ [H, 1]``, its backward's outer product ``[B, 1] @ [1, H]``, its weight grad
@@ -76,10 +85,12 @@ def enabled() -> bool:
     return os.environ.get("VJPGEN_JOINT_PASSES", "1").strip() not in ("0", "")
 
 
-def run(gm: torch.fx.GraphModule) -> dict:
-    """Every pass on ``gm`` (in place); returns how many nodes each removed or rewrote."""
+def run(gm: torch.fx.GraphModule, with_cse: bool = True) -> dict:
+    """Every pass on ``gm`` (in place; ``with_cse=False``: all but :func:`cse`, for a joint whose
+    partitioner merges them); returns how many nodes each removed or rewrote."""
     done = {}
     if enabled():
+        done["cse"] = cse(gm) if with_cse else 0
         done["small_matmuls"] = small_matmuls(gm)
         done["shared_operand_matmuls"] = shared_operand_matmuls(gm)
         done["summed_matmuls"] = summed_matmuls(gm)
@@ -87,6 +98,33 @@ def run(gm: torch.fx.GraphModule) -> dict:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return done
+
+
+def _n_ops(graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def cse(gm: torch.fx.GraphModule) -> int:
+    """Common subexpressions of ``gm`` merged (see the module docstring); returns how many ops
+    went."""
+    from torch._functorch import compile_utils
+
+    seeded = {n.target.overloadpacket for n in gm.graph.nodes
+              if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+              and torch.Tag.nondeterministic_seeded in n.target.tags}
+    before = _n_ops(gm.graph)
+    keep = compile_utils.rand_ops
+    # (the list torch's pass reads by its global name; a longer list only keeps more ops apart,
+    # so another thread's partitioner meanwhile is no worse off)
+    compile_utils.rand_ops = [*keep, *(seeded - set(keep))]
+    try:
+        new = compile_utils.fx_graph_cse(gm.graph)
+    finally:
+        compile_utils.rand_ops = keep
+    n_gone = before - _n_ops(new)
+    if n_gone:
+        gm.graph = new
+    return n_gone
 
 
 def _static_shape(n):

@@ -5,7 +5,8 @@
    expanded with vjpgen's kernels.
 2. :func:`trace`: the joint of forward and backward, the backward from vjpgen's generated kernels
    through the one executor (``joint.trace_joint``), decomposed for the compiler, and the graph
-   passes of :mod:`.joint_passes` (small, shared-operand and summed matmuls).
+   passes of :mod:`.joint_passes` (common subexpressions across orders, small, shared-operand and
+   summed matmuls).
 3. :func:`partition`: forward and backward halves (torch's partitioner, min-cut for Inductor), and
    what the backward reads: each of its placeholders a saved value or a tangent.
 4. :func:`compile_halves`: both halves compiled (Inductor or another backend), in a tracing
@@ -96,7 +97,9 @@ def trace(fn, fakes, fake_mode, meta, compiler: str) -> torch.fx.GraphModule:
     :mod:`.joint_passes` applied (every order, every structure). Called under ``capture.LOCK``."""
     with _expanding(joint.engine_call):
         gm = joint.trace_joint(fn, fakes, fake_mode, meta, _decompositions(compiler))
-    joint_passes.run(gm)
+    # (a joint the partitioner merges the subexpressions of is not merged twice: torch's CSE took
+    # 1.3 s on a 12,500-node graph)
+    joint_passes.run(gm, with_cse=not (meta.diff_outputs and joint.partitioner_cses(compiler)))
     return gm
 
 
