@@ -102,3 +102,20 @@ def test_a_right_graph_passes_the_check(name, monkeypatch):
 
 # (Inductor's graphs pass the check: tests/runtime/test_structures.py's shared Inductor case runs
 # under VJPGEN_CHECK=1)
+
+
+def test_tolerance_follows_the_least_precise_dtype_an_output_is_computed_in():
+    """A float64 output of float32 math (MACE's energy: float32 terms summed into float64) is checked
+    at float32's tolerance, where its float32 rounding (6e-8 relative, float64's rtol is 1e-7) was
+    reported as a miscompile; an output computed in float64 alone keeps float64's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(x32, y64):
+        return (x32 * 3).sum().double() + 1, (y64 * 3).sum()
+
+    gm = make_fx(fn)(torch.randn(4, dtype=torch.float32), torch.randn(4, dtype=torch.float64))
+    assert capture._working_rtols(gm) == [capture._CHECK_RTOL[torch.float32], capture._CHECK_RTOL[torch.float64]]
+    want = torch.tensor(0.391, dtype=torch.float64)
+    got = want + 5.96e-8  # float32's rounding at that scale
+    assert capture._difference(got, want, None)  # float64's own tolerance: flagged
+    assert capture._difference(got, want, capture._working_rtols(gm)[0]) is None
