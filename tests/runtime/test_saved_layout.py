@@ -60,3 +60,19 @@ def test_saved_value_in_a_cat_buffer_gives_eagers_grads(restrided, dynamic):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"n={n}: grad of {name}")
     # the layout this test is about happened (else it would pass on any code)
     assert restrided, "Inductor returned every saved value at the traced strides: the test no longer covers the case"
+
+
+@pytest.mark.timeout(300)
+def test_a_layout_the_report_missed_is_copied_at_the_call(monkeypatch, caplog):
+    """Should the forward's report miss a layout (here: not applied at all), the backward's first
+    call finds the input at other strides than its code reads, says so, and copies it to those
+    strides on every call: eager's grads, not the wrong elements."""
+    monkeypatch.setattr(stages, "saved_as_returned", lambda bw_fakes, bw_args, strides: list(bw_fakes))
+    torch._dynamo.reset()
+    cf = torch.compile(_f, backend="vjpgen", dynamic=False)
+    with caplog.at_level("WARNING", logger="vjpgen"):
+        for k in range(2):  # the first call finds it, the second reuses what it found
+            args = _inputs(20, k)
+            for name, got, want in zip("wegq", _grads(cf, args), _grads(_f, args)):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"call {k}: grad of {name}")
+    assert sum("arrives at strides" in r.getMessage() for r in caplog.records) == 1, caplog.text

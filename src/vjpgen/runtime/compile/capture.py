@@ -875,7 +875,11 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None, i
             out = inductor_fixes.inner_compile(g, example_inputs, *args, **kwargs)
             ctx = torch._guards.TracingContext.try_get()
             seen.update(code=out, n_inputs=len(example_inputs), meta=getattr(ctx, "fw_metadata", None))
-            if output_strides is not None:
+            meta = getattr(ctx, "fw_metadata", None)
+            if output_strides is not None and not any(
+                    i.mutates_data or i.mutates_metadata for i in getattr(meta, "input_info", ())):
+                # (one per output of gm, then AOT's intermediate bases; a graph that mutates an
+                # input has AOT's outputs for those first: not reported, the caller checks the call)
                 output_strides[:] = _output_strides(out, example_inputs)
             return out
 

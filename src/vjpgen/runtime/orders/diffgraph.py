@@ -89,6 +89,8 @@ class CompiledGraph:
         self.fw = fw  # boxed: inputs -> outputs + mutated inputs' new values + saved values
         self.bw = bw  # boxed: bw_args -> grads (one per input, None where it needs none)
         self.bw_args = bw_args  # per backward input: ("saved", k) or ("tangent", j)
+        self.bw_strides = ()  # per backward input: the strides its compiled code reads it at (None: not checked)
+        self.bw_restride = None  # the backward inputs that reach it at other strides (found on the first call)
         self.n_saved = n_saved
         self.order = order
         self.compiler = compiler
@@ -117,10 +119,12 @@ class CompiledGraph:
         with capture.LOCK:
             gm = stages.trace(fn, fakes, fake_mode, meta, compiler)
             halves = stages.partition(gm, meta, compiler)
-            fw, bw = stages.compile_halves(halves, fakes, fake_mode, compiler, f"{label} (order {order})", patches)
+            fw, bw, bw_strides = stages.compile_halves(halves, fakes, fake_mode, compiler, f"{label} (order {order})",
+                                                       patches)
         counters["compiles"][order] += 1
         cg = cls(fn, meta, fw, bw, halves.bw_args, len(halves.saved), order, compiler, label, halves.fw_gm,
                  halves.bw_gm, counters)
+        cg.bw_strides = bw_strides
         cg.family = family if family is not None else Family()
         cg.patches = patches
         cg._describe(fakes, halves)
@@ -195,6 +199,29 @@ class CompiledGraph:
         it_o = iter(others)
         saved = [next(it_t) if k else next(it_o) for k in self.saved_kinds]
         return [saved[k] if kind == "saved" else tangents[k] for kind, k in self.bw_args]
+
+    def as_compiled_for(self, args: list) -> list:
+        """``args`` (the compiled backward's) at the strides its code reads them at: its stride
+        asserts are off, so an input at other strides would be read at the wrong elements. The
+        backward is compiled for the strides the compiled forward reports
+        (``stages.saved_as_returned``); should an input still arrive at others (a layout that report
+        missed), the first call finds it, logs it, and from then on it is copied to the compiled
+        strides on every call."""
+        fix = self.bw_restride
+        if fix is None:
+            fix = []
+            for i, (a, st) in enumerate(zip(args, self.bw_strides)):
+                if st is not None and isinstance(a, torch.Tensor) and a.numel() > 1 and any(
+                        n > 1 and x != y for n, x, y in zip(a.shape, a.stride(), st)):
+                    fix.append(i)
+                    log.warning("vjpgen backend: %s (order %d): backward input %d arrives at strides %s where its "
+                                "code reads strides %s: it is copied to those on every call (please report)",
+                                self.label, self.order, i, tuple(a.stride()), st)
+            self.bw_restride = fix = tuple(fix)
+        for i in fix:
+            a = args[i]
+            args[i] = torch.empty_strided(a.shape, self.bw_strides[i], dtype=a.dtype, device=a.device).copy_(a)
+        return args
 
     # -- the next order
 
@@ -465,7 +492,7 @@ class GraphFn(torch.autograd.Function):
                 grads = _differentiable_backward(ctx, cg, tangents, gouts, mask, plain=True)
                 return (None, None, *grads)
         _check_versions(ctx, cg.saved_inputs)
-        args = cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents)
+        args = cg.as_compiled_for(cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents))
         del tangents
         if not torch._C._autograd._get_current_graph_task_keep_graph():
             # the compiled backward holds the only references to what it reads and frees each

@@ -139,8 +139,10 @@ def partition(gm, meta, compiler: str) -> Halves:
 
 
 def compile_halves(halves: Halves, fakes, fake_mode, compiler: str, what: str, patches=None):
-    """Stage 4: (forward, backward) compiled with ``compiler`` (boxed callables); ``patches``:
-    Inductor settings. Called under ``capture.LOCK``."""
+    """Stage 4: (forward, backward, the backward's input strides) with both halves compiled with
+    ``compiler`` (boxed callables); ``patches``: Inductor settings. The strides: per backward input,
+    those its compiled code reads it at (static sizes only; None elsewhere). Called under
+    ``capture.LOCK``."""
     with own_tracing_context(fake_mode), logs.progress(
             f"compiling the forward and backward of a {what} with {compiler}"):
         # (the forward's saved values, read only by its backward, as Inductor returns them: the
@@ -151,7 +153,13 @@ def compile_halves(halves: Halves, fakes, fake_mode, compiler: str, what: str, p
                                    internal_from=n_fw, output_strides=strides)
         bw_fakes = saved_as_returned(placeholder_vals(halves.bw_gm), halves.bw_args, strides[n_fw:])
         bw = capture.compile_graph(halves.bw_gm, bw_fakes, compiler, f"the backward of {what}", patches)
-    return fw, bw
+    return fw, bw, tuple(_static_strides(f) for f in bw_fakes)
+
+
+def _static_strides(f):
+    if not isinstance(f, torch.Tensor) or not all(type(x) is int for x in (*f.shape, *f.stride())):
+        return None
+    return tuple(f.stride())
 
 
 def saved_as_returned(bw_fakes: list, bw_args: tuple, saved_strides: list) -> list:
