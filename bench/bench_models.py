@@ -28,10 +28,10 @@ Python/C++ around the graph).
 
 torchvision from the package index is built against CUDA torch; beside a CPU torch its C++ ops do
 not load, and ``import torchvision`` (which timm and transformers import too) raises
-``operator torchvision::nms does not exist``. Exactly that error is recognized: torchvision is then
-imported without its fake-tensor registrations of those ops (the Python models need none of them;
-any call of a torchvision C++ op still raises), and the results say so. Any other import error is
-raised.
+``operator torchvision::nms does not exist``. Exactly that error is recognized
+(``optional_libs.import_torchvision``): torchvision is then imported without its fake-tensor
+registrations of those ops (the Python models need none of them; any call of a torchvision C++ op
+still raises), and the results say so. Any other import error is raised.
 
 ``--smoke``: tiny configs, aot_eager, one round, results to a temporary folder; tiny-gpt unless
 ``--models`` names others (``--smoke --models gpt2,llama,vit,resnet18,resnet18-cl,tiny-gpt`` runs
@@ -51,13 +51,13 @@ import platform
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_backward as bb  # noqa: E402  (sets the Inductor cache and compile-thread env first)
 from scratch import scratch_dir  # noqa: E402  (removed at exit)
+import optional_libs  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -69,7 +69,6 @@ from tools.memory import peak_backward_bytes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("eager", "vjpgen", "torch.compile")
-TORCHVISION_KNOWN = "operator torchvision::nms does not exist"
 NOTES: dict = {}  # library -> a note for the results (e.g. torchvision's C++ ops unavailable)
 
 # ------------------------------------------------------------------------------------------
@@ -77,28 +76,12 @@ NOTES: dict = {}  # library -> a note for the results (e.g. torchvision's C++ op
 
 
 def _import_torchvision():
-    """torchvision, or None when it is not installed. Beside a torch its C++ ops were not built
-    for, exactly ``TORCHVISION_KNOWN`` is recognized (see the module docstring); other errors raise."""
-    if importlib.util.find_spec("torchvision") is None:
-        return None
-    try:
-        import torchvision
-
-        return torchvision
-    except RuntimeError as e:
-        if TORCHVISION_KNOWN not in str(e):
-            raise
-        for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
-            del sys.modules[k]
-        sys.modules["torchvision._meta_registrations"] = types.ModuleType("torchvision._meta_registrations")
-        import torchvision
-
-        NOTES["torchvision"] = (
-            f"torchvision {torchvision.__version__}: its C++ ops are unavailable against this torch build "
-            f"(torch {torch.__version__}; `import torchvision` raised `{TORCHVISION_KNOWN}`): imported without "
-            "the fake-tensor registrations of those ops; the models here (ResNet-18) and timm's layers use none "
-            "of them, and any call of a torchvision C++ op still raises")
-        return torchvision
+    """torchvision, or None when it is not installed (see :mod:`optional_libs`: beside a torch its
+    C++ ops were not built for it is imported without their fake registrations, and the results say so)."""
+    tv, note = optional_libs.import_torchvision()
+    if note:
+        NOTES["torchvision"] = note
+    return tv
 
 
 def library(name):

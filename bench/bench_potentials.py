@@ -74,9 +74,9 @@ has the bench extra::
 
 mace imports torchmetrics (``mace.tools.train``), which imports torchvision when one is
 installed: beside the CPU torch the package index's torchvision (a CUDA build, which the bench
-extra installs for bench_models.py, whose torchvision rows it cannot run either) fails to load
-("operator torchvision::nms does not exist") and every mace row reads "not installed". Uninstall it
-from that venv for this bench (``pip uninstall torchvision``; ``make bench`` installs it again).
+extra installs) fails to load ("operator torchvision::nms does not exist"), and every mace row read
+"not installed"; :func:`_import_mace` imports torchvision first through
+``optional_libs.import_torchvision``, which loads it without those ops' fake registrations.
 schnetpack imports under torch 2.13 only with the shim in :func:`_import_schnetpack` (its
 ``schnetpack.data`` imports ``T_co`` from ``torch.utils.data.dataloader``, which torch 2.13 no
 longer defines; the shim defines it before the import, in this process only). mace-torch must be
@@ -258,7 +258,12 @@ def build_spk(kind, mols):
 def _import_mace():
     """mace before e3nn: e3nn 0.4.4 (mace-torch's pin) reads its constants with ``torch.load``,
     whose ``weights_only`` default (torch >= 2.6) refuses them; mace's ``__init__`` sets
-    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` for the process, so e3nn imported first fails."""
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` for the process, so e3nn imported first fails. torchvision
+    before mace (through torchmetrics it imports it): see the module docstring."""
+    sys.path.insert(0, str(HERE))
+    import optional_libs
+
+    optional_libs.import_torchvision()
     import mace.tools.compile
 
     return mace
