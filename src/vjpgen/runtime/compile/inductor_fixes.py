@@ -21,10 +21,11 @@ vjpgen compiles (not to the user's own ``torch.compile`` calls) and counted in
   ``index_put`` of that input (``h.index_put(idx, src, accumulate=True)`` after ``torch.cat([h,
   a])``: its base has no later reader) into ``index_put_``, which then writes into the cat's
   output: the cat is wrong (7.9 off in the repro; a 5-line function under plain ``torch.compile``;
-  one of schnetpack PaiNN's graphs 0.23 off). The same holds for a mutated cat result (pytorch
-  issue 177821). The fix: a cat input whose storage an op of the graph writes in place, or every
-  input of a cat whose result is written in place, is copied into the cat instead. It costs that
-  copy, only in such graphs.
+  one of schnetpack PaiNN's graphs 0.23 off). The fix: a cat input whose storage an op of the
+  graph writes in place is copied into the cat instead; so is every input of a cat whose result is
+  written in place (the other side of the same aliasing, pytorch issue 177821; conservative: no
+  miscompile of that form reproduced on torch 2.13, ``cat([h, a]).index_put(...)`` then ``h * 3``
+  is right without it). It costs that copy, only in such graphs.
 
 The patched methods are installed once, on the first vjpgen Inductor compile, and do something
 only inside :func:`active` (a context variable: another thread's compile is unaffected). Inductor's
