@@ -75,7 +75,8 @@ has the bench extra::
 mace imports torchmetrics (``mace.tools.train``), which imports torchvision when one is
 installed: beside the CPU torch the package index's torchvision (a CUDA build, which the bench
 extra installs) fails to load ("operator torchvision::nms does not exist"), and every mace row read
-"not installed"; :func:`_import_mace` imports torchvision first through
+"not installed" (schnetpack's too: it imports pytorch-lightning and torchmetrics);
+:func:`_import_mace` and :func:`_import_schnetpack` import torchvision first through
 ``optional_libs.import_torchvision``, which loads it without those ops' fake registrations.
 schnetpack imports under torch 2.13 only with the shim in :func:`_import_schnetpack` (its
 ``schnetpack.data`` imports ``T_co`` from ``torch.utils.data.dataloader``, which torch 2.13 no
@@ -220,10 +221,22 @@ def build_pair(mols, smoke=False):
     return model, inputs, (lambda m, d: m(d)), (b["energy"], b["forces"])
 
 
+def _torchvision_first():
+    """torchvision through ``optional_libs`` before mace or schnetpack, which import it through
+    torchmetrics / pytorch-lightning (see the module docstring)."""
+    sys.path.insert(0, str(HERE))
+    import optional_libs
+
+    optional_libs.import_torchvision()
+
+
 def _import_schnetpack():
     """schnetpack 2.1.1 under torch 2.13: ``schnetpack.data`` imports ``T_co`` from
-    ``torch.utils.data.dataloader``, which torch 2.13 no longer defines; define it first."""
+    ``torch.utils.data.dataloader``, which torch 2.13 no longer defines; define it first. And
+    torchvision before it (:func:`_torchvision_first`)."""
     import typing
+
+    _torchvision_first()
 
     import torch.utils.data.dataloader as dl
 
@@ -259,11 +272,8 @@ def _import_mace():
     """mace before e3nn: e3nn 0.4.4 (mace-torch's pin) reads its constants with ``torch.load``,
     whose ``weights_only`` default (torch >= 2.6) refuses them; mace's ``__init__`` sets
     ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` for the process, so e3nn imported first fails. torchvision
-    before mace (through torchmetrics it imports it): see the module docstring."""
-    sys.path.insert(0, str(HERE))
-    import optional_libs
-
-    optional_libs.import_torchvision()
+    before mace (through torchmetrics it imports it): :func:`_torchvision_first`."""
+    _torchvision_first()
     import mace.tools.compile
 
     return mace
