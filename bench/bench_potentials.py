@@ -224,7 +224,8 @@ def build_pair(mols, smoke=False):
 def _torchvision_first():
     """torchvision through ``optional_libs`` before mace or schnetpack, which import it through
     torchmetrics / pytorch-lightning (see the module docstring)."""
-    sys.path.insert(0, str(HERE))
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
     import optional_libs
 
     optional_libs.import_torchvision()

@@ -20,6 +20,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ... import logs
+from .fx_nodes import written_args
 
 log = logging.getLogger("vjpgen")
 
@@ -616,13 +617,7 @@ def realize_scalars(gm: torch.fx.GraphModule) -> int:
     if not isinstance(outs, (list, tuple)):
         return 0
     have = {id(n) for n in outs if isinstance(n, torch.fx.Node)}
-    mutated = set()
-    for n in graph.nodes:
-        schema = getattr(n.target, "_schema", None)
-        if n.op == "call_function" and schema is not None and schema.is_mutable:
-            for a, arg in zip(schema.arguments, n.args):
-                if a.alias_info is not None and a.alias_info.is_write and isinstance(arg, torch.fx.Node):
-                    mutated.add(arg)
+    mutated = {a for n in graph.nodes for a in written_args(n) if isinstance(a, torch.fx.Node)}
     extra = []
     for n in graph.nodes:
         v = n.meta.get("val")

@@ -43,6 +43,7 @@ import os
 import torch
 
 from ..stats import STATS
+from .fx_nodes import node_storage, written_args
 
 log = logging.getLogger("vjpgen")
 
@@ -107,19 +108,6 @@ def _install_recompute_rename(scheduler) -> bool:
     return True
 
 
-def _storage(a):
-    """The storage of an FX node's fake value (views of one tensor share it), or None."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-    if not isinstance(v, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(v.untyped_storage())
-    except Exception:  # noqa: BLE001 - a tensor without storage (a subclass): not tracked
-        return None
-
-
 def _written_storages(graph) -> frozenset:
     """The storages that an op of the post-grad FX ``graph`` writes in place: an argument its
     schema marks written (``index_put_``, ``copy_``, ...) or the base of Inductor's in-place
@@ -128,16 +116,10 @@ def _written_storages(graph) -> frozenset:
     for n in graph.nodes:
         if n.op != "call_function":
             continue
-        written = []
-        schema = getattr(n.target, "_schema", None)
-        if schema is not None:
-            for i, arg in enumerate(schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
-                    written.extend(v if isinstance(v, (list, tuple)) else [v])
-        elif getattr(n.target, "__name__", "") == "_inplace_generalized_scatter":
+        written = written_args(n)
+        if getattr(n.target, "__name__", "") == "_inplace_generalized_scatter":
             written.append(n.args[0])
-        out.update(st for st in map(_storage, written) if st is not None)
+        out.update(st for st in map(node_storage, written) if st is not None)
     return frozenset(out)
 
 
@@ -161,9 +143,9 @@ def _install_cat_input_mutated(ir) -> bool:
                 node.graph._vjpgen_written = hit
             written = hit[1]
             if written:
-                every = _storage(node) in written
+                every = node_storage(node) in written
                 for a, x in zip(args, inputs):
-                    if (every or _storage(a) in written) and isinstance(x, ir.TensorBox) \
+                    if (every or node_storage(a) in written) and isinstance(x, ir.TensorBox) \
                             and isinstance(x.data, ir.StorageBox):
                         x.realize()
                         if kernel.can_realize_into_without_copy(x):
