@@ -507,6 +507,17 @@ def direct_call(call, source: str, n_args: int, n_out: int | None = None):
 _INDUCTOR_PATCHES = {"size_asserts": False, "reorder_for_locality": False, "reorder_for_peak_memory": False}
 
 
+def _unbacked_patches(gm) -> dict:
+    """Inductor's settings for a graph with a size read from data (an unbacked symbol:
+    ``int(idx[-1]) + 1`` under dynamo's ``capture_scalar_outputs``): no folding of uniform-valued
+    tensors, whose layout check asks whether such a size is 0, which no guard can answer (a
+    ``GuardOnDataDependentSymNode`` that would send the graph to AOTAutograd). vjpgen's kernels
+    build such tensors (``zeros`` of a grad's size) where torch's formulas expand a scalar."""
+    from .fx_nodes import has_unbacked_sizes
+
+    return {"joint_graph_constant_folding": False} if has_unbacked_sizes(gm) else {}
+
+
 # the C++ wrapper where a graph's ops average at most this many output elements (see cpp_wrapper)
 CPP_WRAPPER_MAX_AVG_NUMEL = 1 << 15
 
@@ -886,7 +897,7 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None, i
             fn = compile_fx(
                 GmWrapper(gm, _identity), fake_args, inner_compile=inner_compile,
                 config_patches={**inductor_fixes.config_patches(), **_INDUCTOR_PATCHES, "cpp_wrapper": cpp_wrapper(gm),
-                                **(patches or {})},
+                                **_unbacked_patches(gm), **(patches or {})},
             )
         return _direct(seen, len(fake_args), internal_from) or fn
     if callable(backend):

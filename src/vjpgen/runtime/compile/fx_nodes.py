@@ -1,5 +1,6 @@
 """What a pass over a traced aten graph asks of its nodes, in one place: the storage a node's
-value lives in (views of one tensor share it) and the arguments an op writes in place."""
+value lives in (views of one tensor share it), the arguments an op writes in place, and whether
+a graph has sizes read from data."""
 
 from __future__ import annotations
 
@@ -33,3 +34,15 @@ def written_args(n) -> list:
             v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
             out.extend(v if isinstance(v, (list, tuple)) else [v])
     return out
+
+
+def has_unbacked_sizes(gm: torch.fx.GraphModule) -> bool:
+    """Some value of ``gm`` has a size read from data (an unbacked symbol: ``.item()`` or
+    ``nonzero`` under dynamo's ``capture_scalar_outputs`` / ``capture_dynamic_output_shape_ops``)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if v is not None and free_unbacked_symbols(v):
+            return True
+    return False

@@ -85,8 +85,8 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
     views = None
     try:
         try:
-            cg = CompiledGraph.build(gm, fakes, fake_mode, opts["compiler"], order=1, label="graph",
-                                     patches=_mode_patches(opts), inference=True)
+            cg = CompiledGraph.build(joint.rebinding(gm, fake_mode), fakes, fake_mode, opts["compiler"], order=1,
+                                     label="graph", patches=_mode_patches(opts), inference=True)
         except joint.AliasedOutput:
             # an output that is a view of an input (schnetpack returns ``idx_m[-1]``): computed by
             # its view ops on the real input after the call, as eager computes it (an alias, with
@@ -95,8 +95,8 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
             if split is None:
                 raise
             main, views = split
-            cg = CompiledGraph.build(main[0], fakes, fake_mode, opts["compiler"], order=1, label="graph",
-                                     patches=_mode_patches(opts), inference=True)
+            cg = CompiledGraph.build(joint.rebinding(main[0], fake_mode), fakes, fake_mode, opts["compiler"], order=1,
+                                     label="graph", patches=_mode_patches(opts), inference=True)
     except joint.Unsupported as e:
         record_fallback(str(e))
         return _inner_backend(opts)(gm, example_inputs)

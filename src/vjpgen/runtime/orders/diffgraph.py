@@ -25,6 +25,7 @@ import logging
 import torch
 
 from ..compile import capture
+from ..compile.fx_nodes import has_unbacked_sizes
 from ..plan import decide, kernels
 from . import joint, stages
 from ..stats import STATS
@@ -261,7 +262,7 @@ class CompiledGraph:
             if first is None:
                 fam["first"] = exact
                 if not any(t_dyn) and not any(i_dyn):  # a static graph: its vjp static first
-                    fakes, fake_mode = _static_fakes(args)
+                    fakes, fake_mode = _static_fakes(args, has_unbacked_sizes(self.fw_gm))
                     cg = self._build_vjp(fn, fakes, fake_mode, mask, plain)
                     fam["static"][exact] = cg if cg is not None else False
                     return cg
@@ -412,10 +413,14 @@ def _holds(guard, tensors) -> bool:
         return False
 
 
-def _static_fakes(args):
+def _static_fakes(args, data_dependent: bool = False):
+    """``args`` as fakes of their exact sizes; ``data_dependent``: in a mode with a shape
+    environment, where a size read from data (``nonzero``, ``.item()``) is an unbacked symbol (a
+    mode without one raises on those ops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    mode = FakeTensorMode()
+    mode = FakeTensorMode(shape_env=ShapeEnv()) if data_dependent else FakeTensorMode()
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):

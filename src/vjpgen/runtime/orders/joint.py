@@ -216,6 +216,66 @@ class JointMeta:
         return len(self.out_kinds) + len(self.mutated)
 
 
+def rebinding(gm: torch.fx.GraphModule, fake_mode):
+    """``gm`` as a callable whose every run over fake tensors names each size it reads from data
+    (``.item()``, ``nonzero``: dynamo's ``capture_scalar_outputs``) with one unbacked symbol per
+    shape environment. Each of vjpgen's runs of the graph (its analysis, the joint's trace, a
+    later order's in a shape environment of its own) makes fresh symbols, and the tangents built
+    from one run's output sizes could not be compared with another run's (``Ne(u1 + 1, u2 + 1)``: a
+    data-dependent guard). In dynamo's environment (``fake_mode``'s) a run renames its symbols to
+    the ones dynamo's trace bound, as AOTAutograd reruns dynamo's graph (torch's
+    ``rebind_unbacked``); in another, to the ones the first run there made. Each run starts a new
+    fake-mode epoch, so no memo hands a run another run's symbol. ``gm`` itself where no node binds
+    such a symbol, and on real tensors."""
+    if not any(n.meta.get("unbacked_bindings") for n in gm.graph.nodes):
+        return gm
+    import weakref
+
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import rebind_unbacked
+    from torch.utils import _pytree as pytree
+
+    dynamo_env = fake_mode.shape_env
+    first = weakref.WeakKeyDictionary()  # another shape environment -> {(node, path): its symbol}
+
+    class _Rebinding(torch.fx.Interpreter):
+        def __init__(self, env) -> None:
+            super().__init__(gm)
+            self.env_ = env
+
+        def run_node(self, n):
+            result = super().run_node(n)
+            bindings = n.meta.get("unbacked_bindings")
+            if not bindings:
+                return result
+            env = self.env_
+            if env is dynamo_env:
+                rebind_unbacked(env, n, result)
+                return result
+            seen = first.setdefault(env, {})
+            for path in bindings.values():
+                v = pytree.key_get(result, path)
+                if not isinstance(v, torch.SymInt):
+                    continue
+                raw = v.node._expr
+                if not isinstance(raw, sympy.Symbol):
+                    continue
+                old = seen.setdefault((n.name, path), raw)
+                if old != raw:
+                    env._rename_unbacked_to(raw, old)
+            return result
+
+    def run(*args):
+        mode = torch._guards.detect_fake_mode()
+        if mode is None or mode.shape_env is None:
+            return gm(*args)
+        mode.epoch += 1
+        return _Rebinding(mode.shape_env).run(*args)
+
+    run.__name__ = getattr(gm, "__name__", "graph")
+    return run
+
+
 def _as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -256,7 +316,12 @@ def analyze(fn, fakes, fake_mode, max_ops: int | None = None) -> JointMeta:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     rg = tuple(isinstance(f, torch.Tensor) and f.requires_grad for f in fakes)
-    with fake_mode, FunctionalTensorMode():
+    # a size read from data (``int(idx[-1])`` under dynamo's ``capture_scalar_outputs``) makes a
+    # fresh unbacked symbol here that no traced node binds: left pending, the joint's trace would
+    # raise on it (AOTAutograd's metadata pass suppresses them the same way)
+    shape_env = fake_mode.shape_env
+    suppress = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()
+    with fake_mode, FunctionalTensorMode(), suppress:
         fargs = [to_fun(f) for f in fakes]
         in_storage = {}
         for i, a in enumerate(fargs):
@@ -492,10 +557,28 @@ def vjp_fn(fn, n_args: int, wrt: tuple, diff_outputs: tuple):
         tangents = list(args[n_args:])
         with torch.enable_grad():
             outs = _as_tuple(fn(*prim))
-        return grad_inline([outs[j] for j in diff_outputs], [prim[i] for i in wrt], tangents, True)
+        outs = [outs[j] for j in diff_outputs]
+        _same_sizes(outs, tangents)
+        return grad_inline(outs, [prim[i] for i in wrt], tangents, True)
 
     # (a grad that is a view of an argument, the vjp of a sum: the tangent expanded)
     return no_alias(vjp)
+
+
+def _same_sizes(outs, tangents) -> None:
+    """Each output's size is its tangent's: said to the shape environment where the trace cannot
+    see it. A size the function reads from data (an unbacked symbol: ``int(idx[-1]) + 1`` under
+    ``capture_scalar_outputs``) is recomputed by the vjp's trace, while its tangent arrives with
+    the size the order before produced (a plain size); ``torch._check`` binds the two (and asserts
+    it when the graph runs), where comparing them would be a data-dependent guard."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for o, t in zip(outs, tangents):
+        if not isinstance(o, torch.Tensor) or not isinstance(t, torch.Tensor):
+            continue
+        for a, b in zip(o.shape, t.shape):
+            if free_unbacked_symbols(a):
+                torch._check(a == b)
 
 
 def no_alias(fn):
