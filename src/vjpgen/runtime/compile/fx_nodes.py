@@ -1,6 +1,6 @@
 """What a pass over a traced aten graph asks of its nodes, in one place: the storage a node's
-value lives in (views of one tensor share it), the arguments an op writes in place, and whether
-a graph has sizes read from data."""
+value lives in (views of one tensor share it), the arguments an op writes in place, whether a
+graph has sizes read from data, and whether it draws random numbers."""
 
 from __future__ import annotations
 
@@ -46,3 +46,11 @@ def has_unbacked_sizes(gm: torch.fx.GraphModule) -> bool:
         if v is not None and free_unbacked_symbols(v):
             return True
     return False
+
+
+def has_random_ops(gm: torch.fx.GraphModule) -> bool:
+    """``gm`` draws random numbers: an op tagged ``nondeterministic_seeded`` (dropout, ``rand_like``,
+    ``bernoulli``, ...), whose values a rerun of the graph does not reproduce by itself."""
+    seeded = torch.Tag.nondeterministic_seeded
+    return any(n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and seeded in n.target.tags
+               for n in gm.graph.nodes)

@@ -20,12 +20,13 @@ uncompiled: :class:`EagerVjp`, counted). Counters go to the dict the first graph
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from ..compile import capture
-from ..compile.fx_nodes import has_unbacked_sizes
+from ..compile.fx_nodes import has_random_ops, has_unbacked_sizes
 from ..plan import decide, kernels
 from . import joint, stages
 from ..stats import STATS
@@ -142,6 +143,10 @@ class CompiledGraph:
             frozenset(d for d, n in enumerate(v.shape) if not isinstance(n, int)) if isinstance(v, torch.Tensor)
             else (not isinstance(v, int)) for v in arg_vals)
         self.saved_kinds = tuple(isinstance(a.meta.get("val"), torch.Tensor) for a in halves.saved)
+        # the forward draws random numbers (dropout): a rerun of it (the vjp of a create_graph
+        # backward) draws them again from the generator state the call started from (see
+        # GraphFn.forward), and where even that cannot be, the forward's saved values are used
+        self.random = has_random_ops(halves.fw_gm)
         # the inputs the backward reads as they are (saved by the forward unchanged): their versions
         # are checked at the backward, as eager checks a saved input's (a compiled forward may
         # return an input as a new tensor over its storage, whose version counter is its own)
@@ -255,7 +260,7 @@ class CompiledGraph:
             if cg is not None:
                 return cg or None
             wrt = tuple(i for i, m in enumerate(mask) if m)
-            fn = joint.vjp_fn(self.fn, self.meta.n_inputs, wrt, self.meta.diff_outputs)
+            fn = joint.vjp_fn(self.fn, self.meta.n_inputs, wrt, self.meta.diff_outputs, with_outputs=self.random)
             first = fam["first"]
             t_dyn = [d for d, a in zip(self.sym_dims, args) if isinstance(a, torch.Tensor)]
             i_dyn = [d for d, a in zip(self.sym_dims, args) if not isinstance(a, torch.Tensor)]
@@ -437,6 +442,9 @@ class GraphFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cg, box, *args):
         meta = cg.meta
+        # the generator states the random numbers of this call are drawn from (a vjp reruns the
+        # forward from them: _differentiable_backward)
+        ctx.rng = _rng_states(args) if cg.random else None
         res = cg.fw(list(args))
         n_out = len(meta.out_kinds)
         n_fw = meta.num_fwd_outputs
@@ -449,9 +457,20 @@ class GraphFn(torch.autograd.Function):
         ctx.saved_other = [int(s) for s, k in zip(saved, kinds) if not k]
         # the inputs, for a create_graph backward (recomputed from them): plain references, with
         # their versions, so a first-order backward never unpacks (nor version-checks) them
+        if meta.mutated:
+            # an input the call writes (batch norm's running statistics, after this call): the vjp
+            # reruns the forward on its values before the write, a copy of its own (no grad: an
+            # input that requires grad and is written goes to AOTAutograd), so the rerun neither
+            # sees the new values nor writes the real input a second time
+            args = list(args)
+            for i in meta.mutated:
+                args[i] = args[i].detach().clone()
+            args = tuple(args)
         ctx.primals = args
         ctx.versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
         ctx.diff_meta = [(outs[j].shape, outs[j].dtype, outs[j].device) for j in meta.diff_outputs]
+        # a random forward's outputs, to check that the rerun drew the same numbers
+        ctx.fw_outs = [(outs[j].detach(), outs[j]._version) for j in meta.diff_outputs] if cg.random else None
         if meta.nondiff_outputs:
             # an output without grad that is the very tensor of one with grad (``return
             # loss.detach(), loss``: Inductor returns one buffer for both) is its own alias, or
@@ -488,7 +507,7 @@ class GraphFn(torch.autograd.Function):
                 return (None, None, *grads)
             # no grad depends on anything that requires grad (the vjp of a sum is its tangent
             # expanded): the first-order backward computes them
-        elif ctx.primals is not None:
+        elif ctx.primals is not None and not cg.random:
             mask = _engine_mask(ctx, meta)
             if mask != tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs)):
                 # grads the running backward does not use are not computed (eager's node does not
@@ -543,6 +562,8 @@ def _differentiable_backward(ctx, cg, tangents, gouts, mask=None, plain=False):
     if not torch._C._autograd._get_current_graph_task_keep_graph():
         ctx.primals = None
     if decide.in_legacy_vmap() and torch.is_grad_enabled():
+        if cg.random:
+            raise RuntimeError(_RANDOM_RERUN.format(label=cg.label, why="inside torch's vmap (batched grads)"))
         # torch's engine differentiating this node inside its legacy vmap (batched grads) with
         # create_graph: a custom Function node made there differentiates wrongly later (torch's own
         # Functions do too), so the vjp is plain differentiable ops, torch.func.vjp's of the function
@@ -552,7 +573,17 @@ def _differentiable_backward(ctx, cg, tangents, gouts, mask=None, plain=False):
     vg = cg.vjp_graph(mask, args, plain)
     if vg is None:  # no grad requires grad: not None, but constants (the caller's first-order path)
         return None
-    outs = list(vg.call(args))
+    if cg.random:
+        # the forward rerun draws its random numbers again from the generator states the call
+        # started from (the global generator's own state is left as it was, as eager's backward
+        # draws nothing); the outputs it recomputes follow the grads, checked against the forward's
+        with _replaying(ctx.rng):
+            outs = list(vg.call(args))
+        n = sum(mask)
+        _check_rerun(cg, ctx.fw_outs, outs[n:])
+        outs = outs[:n]
+    else:
+        outs = list(vg.call(args))
     if isinstance(vg, EagerVjp):  # (it computes only the grads some tangent reaches)
         cg.counters["uncompiled_vjp_calls"] += 1
         if plain:  # (computed with grad mode on; the backward asking for them runs without it)
@@ -566,6 +597,46 @@ def _differentiable_backward(ctx, cg, tangents, gouts, mask=None, plain=False):
             res[i] = outs[k]
             k += 1
     return res
+
+
+_RANDOM_RERUN = (
+    "vjpgen backend: the create_graph backward of {label}, which draws random numbers (dropout), reruns its "
+    "forward and could not reproduce the forward's random numbers ({why}); rather than give grads for other "
+    "random numbers it stops. Keep the grad call in the compiled graph (torch._dynamo.config.trace_autograd_ops "
+    "= True), or take the random op out of the differentiated function"
+)
+
+
+def _rng_states(args) -> tuple:
+    """The states of the generators a call on ``args`` draws from: the CPU generator's, and each
+    CUDA device's among the tensors."""
+    cuda = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
+    return torch.get_rng_state(), tuple((d, torch.cuda.get_rng_state(d)) for d in cuda)
+
+
+@contextlib.contextmanager
+def _replaying(states):
+    """Draw from the generator states ``states`` (:func:`_rng_states`); the generators' states
+    are restored after."""
+    cpu, cuda = states
+    with torch.random.fork_rng(devices=[d for d, _ in cuda], enabled=True):
+        torch.set_rng_state(cpu)
+        for d, st in cuda:
+            torch.cuda.set_rng_state(st, d)
+        yield
+
+
+def _check_rerun(cg, fw_outs, rerun) -> None:
+    """The outputs a random forward's rerun recomputed are the forward's (up to rounding: the
+    rerun is compiled with the backward), so it drew the same random numbers; else a
+    RuntimeError, never grads for other random numbers. An output changed in place since the
+    forward is not compared."""
+    for (want, version), got in zip(fw_outs, rerun):
+        if want._version != version or got is None:
+            continue
+        tol = 1e-3 if want.dtype in (torch.float16, torch.bfloat16) else (1e-4 if want.dtype == torch.float32 else 1e-9)
+        if want.shape != got.shape or not torch.allclose(got, want, rtol=tol, atol=tol * max(1.0, float(want.abs().max()) if want.numel() else 1.0), equal_nan=True):
+            raise RuntimeError(_RANDOM_RERUN.format(label=cg.label, why="its rerun computed other outputs"))
 
 
 def _engine_will_execute(node) -> bool:
@@ -637,6 +708,10 @@ class GraphFnModule:
     TRANSLATED = True
 
     def get_saved(self, node, edge_meta=None) -> list:
+        if node.cg.random:
+            # a region's trace cannot rerun a random forward from its generator state: the node
+            # runs live (GraphFn.backward, which can)
+            raise NotImplementedError(f"{node.cg.label} draws random numbers")
         outs = tuple((tuple(s), dt, dev) for s, dt, dev in node.diff_meta)
         # (the forward's saved values carry no history: one that is a view of an input, unpacked,
         # would look like a leaf that requires grad without a grad accumulator)

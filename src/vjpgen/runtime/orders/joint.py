@@ -547,10 +547,12 @@ def _recompute_cpu_masks(joint_gm: torch.fx.GraphModule) -> int:
 # the vjp of a function, as a function (the next order's forward)
 
 
-def vjp_fn(fn, n_args: int, wrt: tuple, diff_outputs: tuple):
+def vjp_fn(fn, n_args: int, wrt: tuple, diff_outputs: tuple, with_outputs: bool = False):
     """``vjp(*args, *tangents) -> grads``: the grads of ``fn``'s outputs ``diff_outputs``
     (weighted by the tangents) with respect to its arguments ``wrt``, built from vjpgen's kernels
-    with ``create_graph`` (differentiable again, so a joint of this function is the next order)."""
+    with ``create_graph`` (differentiable again, so a joint of this function is the next order).
+    ``with_outputs``: the outputs it recomputed follow the grads (detached: a random function's
+    rerun is checked against its forward)."""
 
     def vjp(*args):
         prim = args[:n_args]
@@ -559,7 +561,10 @@ def vjp_fn(fn, n_args: int, wrt: tuple, diff_outputs: tuple):
             outs = _as_tuple(fn(*prim))
         outs = [outs[j] for j in diff_outputs]
         _same_sizes(outs, tangents)
-        return grad_inline(outs, [prim[i] for i in wrt], tangents, True)
+        grads = grad_inline(outs, [prim[i] for i in wrt], tangents, True)
+        if with_outputs:
+            return [*grads, *[o.detach() for o in outs]]
+        return grads
 
     # (a grad that is a view of an argument, the vjp of a sum: the tangent expanded)
     return no_alias(vjp)
