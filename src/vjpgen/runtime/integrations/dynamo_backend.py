@@ -84,19 +84,22 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
     fakes, fake_mode = _fakeify(example_inputs)
     views = None
     try:
-        try:
-            cg = CompiledGraph.build(joint.rebinding(gm, fake_mode), fakes, fake_mode, opts["compiler"], order=1,
-                                     label="graph", patches=_mode_patches(opts), inference=True)
-        except joint.AliasedOutput:
-            # an output that is a view of an input (schnetpack returns ``idx_m[-1]``): computed by
-            # its view ops on the real input after the call, as eager computes it (an alias, with
-            # its own autograd view node), and the rest compiled
-            split = _split_view_outputs(gm)
-            if split is None:
-                raise
-            main, views = split
-            cg = CompiledGraph.build(joint.rebinding(main[0], fake_mode), fakes, fake_mode, opts["compiler"], order=1,
-                                     label="graph", patches=_mode_patches(opts), inference=True)
+        # (a run of the graph that stops partway leaves no torch.func level, disabled saved-tensor
+        # hooks or other global state behind, for the fallback and the rest of the process)
+        with joint.restoring_global_state():
+            try:
+                cg = CompiledGraph.build(joint.rebinding(gm, fake_mode), fakes, fake_mode, opts["compiler"], order=1,
+                                         label="graph", patches=_mode_patches(opts), inference=True)
+            except joint.AliasedOutput:
+                # an output that is a view of an input (schnetpack returns ``idx_m[-1]``): computed
+                # by its view ops on the real input after the call, as eager computes it (an alias,
+                # with its own autograd view node), and the rest compiled
+                split = _split_view_outputs(gm)
+                if split is None:
+                    raise
+                main, views = split
+                cg = CompiledGraph.build(joint.rebinding(main[0], fake_mode), fakes, fake_mode, opts["compiler"],
+                                         order=1, label="graph", patches=_mode_patches(opts), inference=True)
     except joint.Unsupported as e:
         record_fallback(str(e))
         return _inner_backend(opts)(gm, example_inputs)

@@ -507,6 +507,17 @@ class GraphFn(torch.autograd.Function):
                 return (None, None, *grads)
             # no grad depends on anything that requires grad (the vjp of a sum is its tangent
             # expanded): the first-order backward computes them
+        elif ctx.primals is not None and decide.in_legacy_vmap():
+            # batched grads (``is_grads_batched``, ``jacobian(vectorize=True)``: torch's vmap over
+            # the backward): the tangents are batched tensors, which compiled code cannot take
+            # (nor can a vjp be traced on them): the vjp as plain ops (torch.func.vjp of the
+            # function), counted
+            if cg.random:
+                raise RuntimeError(_RANDOM_RERUN.format(label=cg.label, why="inside torch's vmap (batched grads)"))
+            _check_versions(ctx, range(len(ctx.primals)))
+            record_fallback(cg.counters, f"order {cg.order}: batched grads (torch's vmap): torch.func.vjp of the "
+                            "function", cg.order)
+            return (None, None, *_func_vjp(cg.fn, ctx.primals, _engine_mask(ctx, meta), tangents, meta.diff_outputs))
         elif ctx.primals is not None and not cg.random:
             mask = _engine_mask(ctx, meta)
             if mask != tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs)):

@@ -95,7 +95,15 @@ def prepare() -> None:
 
 
 def _edge(t: torch.Tensor):
-    e = torch.autograd.graph.get_gradient_edge(t)
+    try:
+        e = torch.autograd.graph.get_gradient_edge(t)
+    except AttributeError:
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            # a grad of a tensor torch.func wraps with no autograd node at this level (jacrev's
+            # vjp under its vmap): not a graph vjpgen's kernels differentiate
+            raise Unsupported("torch.autograd.grad of a torch.func-wrapped tensor without an autograd node "
+                              "(jacrev / hessian inside the graph)") from None
+        raise
     return e.node, e.output_nr
 
 
@@ -274,6 +282,51 @@ def rebinding(gm: torch.fx.GraphModule, fake_mode):
 
     run.__name__ = getattr(gm, "__name__", "graph")
     return run
+
+
+@contextlib.contextmanager
+def restoring_global_state():
+    """Where the body raises, the global state a traced graph sets and resets itself is put back
+    as it was: torch.func's transform levels (dynamo inlines ``jacrev`` / ``vmap`` as
+    ``_grad_increment_nesting`` ... ``_grad_decrement_nesting``), forward-mode AD's dual levels
+    (``jacfwd``), saved-tensor hooks disabled by
+    such a graph, in-place ops on tensors that require grad. A trace that stops between the two
+    would leave them set: the fallback's own trace, and every later transform in the process,
+    failed (``wrapper == nullptr`` in functorch, "Nested forward mode AD is not supported")."""
+    from torch._C import _functorch as ft
+
+    def depth():
+        return len(ft.get_interpreter_stack() or ())
+
+    from torch.autograd import forward_ad
+
+    d = depth()
+    dual = forward_ad._current_level
+    fwd = torch._C._is_fwd_grad_enabled()
+    hooks = torch._C._autograd._saved_tensors_hooks_is_enabled()
+    inplace = ft.get_inplace_requires_grad_allowed()
+    try:
+        yield
+    except BaseException:
+        pop = {ft.TransformType.Grad: ft._grad_decrement_nesting, ft.TransformType.Vmap: ft._vmap_decrement_nesting,
+               ft.TransformType.Jvp: ft._jvp_decrement_nesting,
+               ft.TransformType.Functionalize: ft._func_decrement_nesting}
+        while depth() > d:
+            fn = pop.get(ft.peek_interpreter_stack().key())
+            if fn is None:
+                break
+            fn()
+        # jacfwd's dual level (forward-mode AD allows one; dynamo's graph enters it below
+        # forward_ad's own count) and its switch
+        try:
+            torch._C._exit_dual_level(level=dual + 1)
+        except RuntimeError:  # none was left entered
+            pass
+        torch._C._set_fwd_grad_enabled(fwd)
+        if hooks and not torch._C._autograd._saved_tensors_hooks_is_enabled():
+            torch._C._autograd._saved_tensors_hooks_enable()
+        ft.set_inplace_requires_grad_allowed(inplace)
+        raise
 
 
 def _as_tuple(out):
