@@ -172,3 +172,29 @@ def test_batch_norm_in_train_mode_writes_its_statistics_once(how):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for name, b in ref.named_buffers():
         torch.testing.assert_close(dict(mod.named_buffers())[name], b, rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["backend", "backend_tao", "runtime"])
+def test_a_weight_changed_in_place_before_the_backward_raises_eagers_error(mode):
+    """The backward reads a weight through a view the compiled forward saved (its transpose):
+    changed in place between the forward and the backward, eager's version error, not autograd's
+    "view created in no_grad mode" one that unpacking the view raised."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4).double()
+    net = (lambda x: torch.tanh(lin(x)) @ lin.weight) if mode == "runtime" else torch.compile(
+        lambda x: torch.tanh(lin(x)) @ lin.weight, backend="vjpgen", options=AOT)
+    pos = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
+
+    def run():
+        e = net(pos).pow(2).sum()
+        (g,) = torch.autograd.grad(e, pos, create_graph=True)
+        loss = (g ** 2).sum()
+        with torch.no_grad():
+            lin.weight.mul_(2.0)
+        loss.backward()
+
+    ctx = rt.compiled_autograd("aot_eager") if mode == "runtime" else torch._dynamo.config.patch(
+        trace_autograd_ops=mode == "backend_tao")
+    with ctx, pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run()

@@ -26,7 +26,7 @@ import logging
 import torch
 
 from ..compile import capture
-from ..compile.fx_nodes import has_random_ops, has_unbacked_sizes
+from ..compile.fx_nodes import has_random_ops, has_unbacked_sizes, node_storage
 from ..plan import decide, kernels
 from . import joint, stages
 from ..stats import STATS
@@ -147,13 +147,26 @@ class CompiledGraph:
         # backward) draws them again from the generator state the call started from (see
         # GraphFn.forward), and where even that cannot be, the forward's saved values are used
         self.random = has_random_ops(halves.fw_gm)
-        # the inputs the backward reads as they are (saved by the forward unchanged): their versions
-        # are checked at the backward, as eager checks a saved input's (a compiled forward may
-        # return an input as a new tensor over its storage, whose version counter is its own)
+        # the inputs the backward reads as they are or through a view (saved by the forward
+        # unchanged, or a transpose of a weight): their versions are checked at the backward, as
+        # eager checks a saved input's (a compiled forward may return an input as a new tensor over
+        # its storage, whose version counter is its own; a view it returns, unpacked after its base
+        # changed in place, raised autograd's "view created in no_grad mode" error instead)
         fw_ph = {p: i for i, p in enumerate(halves.fw_gm.graph.find_nodes(op="placeholder"))}
+        by_storage = {}
+        for p, i in fw_ph.items():
+            st = node_storage(p)
+            if st is not None:
+                by_storage.setdefault(st, i)
         read = {k for kind, k in self.bw_args if kind == "saved"}
-        self.saved_inputs = tuple(sorted({fw_ph[a] for k, a in enumerate(halves.saved)
-                                          if k in read and a in fw_ph and self.saved_kinds[k]}))
+        inputs_read = set()
+        for k, a in enumerate(halves.saved):
+            if k in read and self.saved_kinds[k]:
+                if a in fw_ph:
+                    inputs_read.add(fw_ph[a])
+                elif (st := node_storage(a)) in by_storage:
+                    inputs_read.add(by_storage[st])
+        self.saved_inputs = tuple(sorted(inputs_read))
         n = meta.n_inputs
         n_fw = meta.num_fwd_outputs
         # per output: the inputs it depends on; per grad: the tangents it depends on (a grad that
