@@ -93,3 +93,22 @@ def test_call_functional_without_a_module_points_to_strict_get_module():
     y[0] = 1.0
     with pytest.raises(NotImplementedError, match=r"get_module\('CopySlices', strict=True\)"):
         rt.call_functional(y.grad_fn, [torch.ones(3)])
+
+
+def test_a_live_nodes_error_keeps_its_python_type():
+    """A derivative torch does not implement (cdist's at second order) raises NotImplementedError
+    from the live node, as eager does: the native call of a node translated every C++ error into a
+    RuntimeError."""
+    w = torch.tensor(0.7, dtype=torch.double, requires_grad=True)
+
+    def step():
+        pos = torch.randn(4, 3, dtype=torch.double, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        e = (torch.cdist(pos, pos + 0.1) * w).tanh().sum()
+        (g,) = torch.autograd.grad(e, pos, create_graph=True)
+        g.pow(2).sum().backward()
+
+    want = _message(step)
+    with rt.compiled_autograd(BK):
+        got = _message(step)
+    assert want[0] is NotImplementedError
+    assert got == want

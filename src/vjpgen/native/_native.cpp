@@ -2149,12 +2149,15 @@ torch::autograd::variable_list engine_tensor_pre_hooks(torch::autograd::Node& fn
 }
 
 // Runs fn with the GIL released, as the engine runs nodes; a Python error raised inside (a Python
-// hook) is restored as the pending Python exception and a C++ error becomes a RuntimeError with
-// torch's message (torch::processErrorMsg: "torch.FloatTensor", not "CPUFloatType", as eager says it).
+// hook) is restored as the pending Python exception and a C++ error becomes the Python exception
+// torch's bindings raise for it (c10::NotImplementedError a NotImplementedError, c10::IndexError an
+// IndexError, ...; any other a RuntimeError) with torch's message (torch::processErrorMsg:
+// "torch.FloatTensor", not "CPUFloatType", as eager says it).
 template <typename F>
 void without_gil(F&& fn) {
   bool py_err = false;
   std::string cpp_err;
+  PyObject* kind = PyExc_RuntimeError;
   {
     pybind11::gil_scoped_release nogil;
     try {
@@ -2163,6 +2166,18 @@ void without_gil(F&& fn) {
       pybind11::gil_scoped_acquire gil;
       e.restore();
       py_err = true;
+    } catch (const c10::NotImplementedError& e) {
+      cpp_err = e.what_without_backtrace();
+      kind = PyExc_NotImplementedError;
+    } catch (const c10::IndexError& e) {
+      cpp_err = e.what_without_backtrace();
+      kind = PyExc_IndexError;
+    } catch (const c10::ValueError& e) {
+      cpp_err = e.what_without_backtrace();
+      kind = PyExc_ValueError;
+    } catch (const c10::TypeError& e) {
+      cpp_err = e.what_without_backtrace();
+      kind = PyExc_TypeError;
     } catch (const c10::Error& e) {
       cpp_err = e.what_without_backtrace();
     } catch (const std::exception& e) {
@@ -2173,7 +2188,8 @@ void without_gil(F&& fn) {
     throw pybind11::error_already_set();
   }
   if (!cpp_err.empty()) {  // with the Python names of tensor types, as torch's own bindings say them
-    throw std::runtime_error(torch::processErrorMsg(cpp_err));
+    PyErr_SetString(kind, torch::processErrorMsg(cpp_err).c_str());
+    throw pybind11::error_already_set();
   }
 }
 
