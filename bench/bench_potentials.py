@@ -49,6 +49,11 @@ weights, each with its own Adam):
   outside (issue 46's "whole step, update outside" for the real models; *mace* runs it as
   *mace-pos*);
 * ``tc-whole``: the same function under ``torch.compile(step)`` (Inductor, AOTAutograd);
+* every ``torch.compile`` method runs with dynamo's ``capture_scalar_outputs = True``
+  (``--no-capture-scalars``: dynamo's default, False), as a user compiling schnetpack sets it: its
+  aggregation reads the molecule count with ``int(idx_m[-1]) + 1``, which otherwise breaks the graph
+  (five breaks in a whole step) and, for ``torch.compile``'s own forces structure, leaves a double
+  backward that AOTAutograd raises on;
 * ``backend-check``: ``backend`` with ``VJPGEN_CHECK=1`` (vjpgen's debug mode: every compiled graph
   is also run eagerly and compared; a miscompile raises ``vjpgen.runtime.CheckError``), PaiNN only
   by default.
@@ -114,6 +119,7 @@ HERE = Path(__file__).resolve().parent
 ENV = dict(os.environ)  # the children's environment: before mace's import sets its variable
 RESULTS = HERE / "results" / "potentials.md"
 CASE_PREFIX = "CASE-RESULT "
+CAPTURE_ENV = "VJPGEN_BENCH_CAPTURE_SCALARS"  # the children's capture_scalar_outputs (see the methods)
 MODELS = ("pair", "schnet", "painn", "mace", "nequip")
 METHODS = ("eager", "runtime", "runtime-aot", "backend-aot", "backend", "tc", "tc-tao", "backend-whole", "tc-whole")
 # the whole step in one compiled function: the positions require grad before its call (mace's
@@ -435,6 +441,9 @@ def run_case(model_name: str, method: str, steps: int, reps: int, smoke: bool = 
     elif method in ("tc-tao", *WHOLE):
         torch._dynamo.config.trace_autograd_ops = True
     res["trace_autograd_ops"] = bool(getattr(torch._dynamo.config, "trace_autograd_ops", False))
+    if method not in ("eager", "runtime", "runtime-aot"):  # (the methods that go through dynamo)
+        torch._dynamo.config.capture_scalar_outputs = os.environ.get(CAPTURE_ENV, "1") == "1"
+    res["capture_scalar_outputs"] = bool(torch._dynamo.config.capture_scalar_outputs)
     compiler = "aot_eager" if smoke else "inductor"
     if method in WHOLE:
         weights = [p for p in model.parameters() if p.requires_grad]
@@ -534,7 +543,8 @@ def run_case(model_name: str, method: str, steps: int, reps: int, smoke: bool = 
 # --------------------------------------------------------------------------- the full run
 
 
-def run_in_subprocess(model_name, method, steps, reps, timeout_s, cache_root: Path, python=None) -> dict:
+def run_in_subprocess(model_name, method, steps, reps, timeout_s, cache_root: Path, python=None,
+                      capture_scalars: bool = True) -> dict:
     """``run_case`` in a fresh interpreter (``python``, this one by default; empty Inductor and
     vjpgen disk caches of its own): an abort or a timeout becomes the case's result."""
     cache = Path(tempfile.mkdtemp(prefix=f"{model_name}-{method}-", dir=cache_root))
@@ -544,6 +554,7 @@ def run_in_subprocess(model_name, method, steps, reps, timeout_s, cache_root: Pa
         env["VJPGEN_CHECK"] = "1"
     else:
         env.pop("VJPGEN_CHECK", None)
+    env[CAPTURE_ENV] = "1" if capture_scalars else "0"
     cmd = [python or sys.executable, str(Path(__file__).resolve()), "--case", model_name, method,
            "--steps", str(steps), "--reps", str(reps)]
     t0 = time.monotonic()
@@ -625,7 +636,10 @@ def report(results, args, total_s) -> str:
         "every torch.compile method fails, by mace's design); *mace-pos*: the same with the positions "
         "requiring grad before the call, as mace's calculator does when it compiles; *nequip*: "
         "`NequIPGNNModel` (its `ForceStressOutput` computes the forces). A row that does not run "
-        "names the first step it failed at.",
+        "names the first step it failed at. "
+        + ("Every torch.compile row runs with dynamo's `capture_scalar_outputs=True` (schnetpack reads its molecule "
+           "count with `.item()`)." if not getattr(args, "no_capture_scalars", False)
+           else "Dynamo's default `capture_scalar_outputs=False`."),
         "",
         "| model | method | runs | params err | first step s | median ms (min-max) | / eager | "
         "trace_autograd_ops | dynamo breaks | vjpgen |",
@@ -666,6 +680,8 @@ def _cli(args) -> str:
         out += f" --methods {args.methods}"
     if getattr(args, "nequip_python", None):
         out += " --nequip-python PATH"
+    if getattr(args, "no_capture_scalars", False):
+        out += " --no-capture-scalars"
     return out
 
 
@@ -707,6 +723,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--no-check", action="store_true", help="skip the VJPGEN_CHECK=1 case(s)")
+    ap.add_argument("--no-capture-scalars", action="store_true",
+                    help="dynamo's default capture_scalar_outputs=False for the torch.compile methods")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per (model, method) process")
@@ -765,7 +783,8 @@ def main(argv=None) -> int:
             if missing[model_name]:
                 results.append({"model": model_name, "method": method, "skipped": missing[model_name]})
                 continue
-            r = run_in_subprocess(model_name, method, a.steps, a.reps, a.timeout, Path(tmp), python.get(model_name))
+            r = run_in_subprocess(model_name, method, a.steps, a.reps, a.timeout, Path(tmp), python.get(model_name),
+                                  capture_scalars=not a.no_capture_scalars)
             results.append(r)
             if r["ok"]:
                 msg = (f"params err {r['param_err']:.1e}, first step {r['first_step_s']:.1f} s, "
