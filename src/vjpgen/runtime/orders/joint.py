@@ -288,17 +288,16 @@ def rebinding(gm: torch.fx.GraphModule, fake_mode):
 def restoring_global_state():
     """Where the body raises, the global state a traced graph sets and resets itself is put back
     as it was: torch.func's transform levels (dynamo inlines ``jacrev`` / ``vmap`` as
-    ``_grad_increment_nesting`` ... ``_grad_decrement_nesting``), forward-mode AD's dual levels
-    (``jacfwd``), saved-tensor hooks disabled by
-    such a graph, in-place ops on tensors that require grad. A trace that stops between the two
-    would leave them set: the fallback's own trace, and every later transform in the process,
-    failed (``wrapper == nullptr`` in functorch, "Nested forward mode AD is not supported")."""
+    ``_grad_increment_nesting`` ... ``_grad_decrement_nesting``), forward-mode AD's dual level and
+    switch (``jacfwd``), saved-tensor hooks such a graph disables, in-place ops on tensors that
+    require grad. A trace that stopped between the two left them set: the fallback's own trace, and
+    every later transform in the process, failed (``wrapper == nullptr`` in functorch, "Nested
+    forward mode AD is not supported")."""
     from torch._C import _functorch as ft
+    from torch.autograd import forward_ad
 
     def depth():
         return len(ft.get_interpreter_stack() or ())
-
-    from torch.autograd import forward_ad
 
     d = depth()
     dual = forward_ad._current_level
