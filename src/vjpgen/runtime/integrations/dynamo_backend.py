@@ -109,7 +109,10 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
         raise
     except Exception as e:  # a graph vjpgen fails on still compiles as torch.compile would compile it
         reason = f"{type(e).__name__} while building the joint: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        log.warning("vjpgen backend: %s; this graph goes to torch's AOTAutograd (please report it)", reason)
+        if joint.not_implemented_upstream(e):  # (eager raises it too, where it reaches that derivative)
+            log.info("vjpgen backend: %s; this graph goes to torch's AOTAutograd", reason)
+        else:
+            log.warning("vjpgen backend: %s; this graph goes to torch's AOTAutograd (please report it)", reason)
         record_fallback(reason)
         return _inner_backend(opts)(gm, example_inputs)
     if cg is None:  # no output requires grad: nothing differentiable

@@ -334,7 +334,11 @@ class CompiledGraph:
             raise
         except Exception as e:  # noqa: BLE001 - the order runs uncompiled, with a warning
             reason = f"{type(e).__name__} while building the joint: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            log.warning("vjpgen backend: %s; order %d of this graph runs uncompiled (please report it)", reason, order)
+            if joint.not_implemented_upstream(e):  # (eager raises it too, where it reaches that derivative)
+                log.info("vjpgen backend: %s; order %d of this graph runs uncompiled", reason, order)
+            else:
+                log.warning("vjpgen backend: %s; order %d of this graph runs uncompiled (please report it)", reason,
+                            order)
         record_fallback(self.counters, f"order {order}: {reason}", order)
         return EagerVjp(fn, reason)
 

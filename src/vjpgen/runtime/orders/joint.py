@@ -328,6 +328,18 @@ def restoring_global_state():
         raise
 
 
+def not_implemented_upstream(e: BaseException) -> bool:
+    """``e`` (or the error a node's trace wraps) is a derivative torch does not implement
+    (``not_implemented("_cdist_backward")``): a known limit, not a vjpgen bug to report."""
+    for _ in range(8):  # (a short chain: the node's error, what it wraps)
+        if e is None:
+            break
+        if isinstance(e, NotImplementedError) and "is not implemented" in str(e):
+            return True
+        e = getattr(e, "exc", None) or e.__cause__
+    return False
+
+
 def _as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
