@@ -198,3 +198,24 @@ def test_a_weight_changed_in_place_before_the_backward_raises_eagers_error(mode)
         trace_autograd_ops=mode == "backend_tao")
     with ctx, pytest.raises(RuntimeError, match="modified by an inplace operation"):
         run()
+
+
+@pytest.mark.timeout(300)
+def test_first_order_through_a_random_graph_under_compiled_autograd_stays_traced():
+    """At first order the runtime traces a random graph's backward (on the forward's saved masks)
+    into its region: no live node (which would also end the fused optimizer's reach)."""
+    w1, w2 = _weights()
+
+    def f(x):
+        h = _hidden("dropout", x, w1)
+        return (h @ w2).sum(), h
+
+    cf = torch.compile(f, backend="vjpgen", options=AOT)
+    x = _x()
+    with rt.compiled_autograd("aot_eager"):
+        e, h = cf(x)
+        e.backward()
+    ref = (_replayed("dropout", x, w1, h.detach()) @ w2).sum()
+    for a, b in zip((w1.grad, w2.grad, x.grad), torch.autograd.grad(ref, (w1, w2, x))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert rt.stats()["graph_breaks"] == 0, rt.stats()["graph_break_reasons"]

@@ -736,10 +736,6 @@ class GraphFnModule:
     TRANSLATED = True
 
     def get_saved(self, node, edge_meta=None) -> list:
-        if node.cg.random:
-            # a region's trace cannot rerun a random forward from its generator state: the node
-            # runs live (GraphFn.backward, which can)
-            raise NotImplementedError(f"{node.cg.label} draws random numbers")
         outs = tuple((tuple(s), dt, dev) for s, dt, dev in node.diff_meta)
         # (the forward's saved values carry no history: one that is a view of an input, unpacked,
         # would look like a leaf that requires grad without a grad accumulator)
@@ -767,6 +763,12 @@ class GraphFnModule:
             for j, (shape, dt, dev) in zip(meta.diff_outputs, outs)
         ]
         if torch.is_grad_enabled():  # create_graph: the vjp of the function, on its inputs
+            if cg.random:
+                # a region's trace cannot rerun a random forward from its generator state: the node
+                # runs live (GraphFn.backward, which can); at first order the traced backward reads
+                # the forward's saved random values
+                raise NotImplementedError(f"{cg.label} draws random numbers: its create_graph backward reruns its "
+                                          "forward")
             if len(input_tensors) != len(meta.tensor_inputs):
                 raise RuntimeError(_SECOND_BACKWARD)
             it_t, it_i = iter(input_tensors), iter(input_ints)
