@@ -127,10 +127,47 @@ def test_fx_graph_cache_key_names_the_fixes(monkeypatch):
     patches = inductor_fixes.config_patches()
     key = patches["post_grad_custom_post_pass"]
     assert isinstance(key, CustomGraphPass) and str(inductor_fixes.VERSION) in key.uuid()
+    pre = patches["post_grad_custom_pre_pass"]  # add_alpha_into_addmm, in the key too
+    assert isinstance(pre, CustomGraphPass) and str(inductor_fixes.VERSION) in pre.uuid()
     with config.patch(post_grad_custom_post_pass=lambda g: None):  # the user's own pass: kept
-        assert inductor_fixes.config_patches() == {"fx_graph_cache": False}
+        assert inductor_fixes.config_patches() == {"fx_graph_cache": False, "post_grad_custom_pre_pass": pre}
+    with config.patch(post_grad_custom_pre_pass=lambda g: None):  # the user's own pre-pass: kept
+        assert "post_grad_custom_pre_pass" not in inductor_fixes.config_patches()
     assert config.post_grad_custom_post_pass is None
     monkeypatch.setenv("VJPGEN_INDUCTOR_FIXES", "0")
     assert inductor_fixes.config_patches() == {}
     with inductor_fixes.active() as hit:
         assert hit is None
+
+
+@pytest.mark.timeout(300)
+def test_fused_weight_decay_and_dampening_under_inductor():
+    """The fused optimizer under Inductor with SGD (weight decay, momentum, dampening) and Adam
+    (weight decay) on a weight whose grad is an ``mm``: eager's parameters after two steps (the
+    decay stepped as 1.0 and the dampening as 0 before ``add_alpha_into_addmm``: 0.4 and 3.2 off;
+    docs/repros/inductor_addmm_alpha.py)."""
+    import vjpgen.runtime as rt
+
+    g = torch.Generator().manual_seed(0)
+    w0, x = torch.randn(3, 4, generator=g), torch.randn(5, 4, generator=g)
+
+    def run(fused):
+        w, v = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+        opts = [torch.optim.SGD([w], lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.01),
+                torch.optim.Adam([v], lr=0.1, weight_decay=0.01)]
+        for _ in range(2):  # (SGD's momentum buffer is read from the second step on)
+            for p, opt in zip((w, v), opts):
+                loss = ((x @ p.t()) ** 2).sum()
+                if fused:
+                    with rt.compiled_autograd("inductor", optimizer=opt):
+                        loss.backward()
+                else:
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+        return w.detach(), v.detach()
+
+    reset_stats()
+    for got, want, name in zip(run(True), run(False), ("sgd", "adam")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    assert stats()["inductor_workarounds"].get("add_alpha_into_addmm"), stats()["inductor_workarounds"]

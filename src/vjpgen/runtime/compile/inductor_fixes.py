@@ -27,6 +27,16 @@ vjpgen compiles (not to the user's own ``torch.compile`` calls) and counted in
   miscompile of that form reproduced on torch 2.13, ``cat([h, a]).index_put(...)`` then ``h * 3``
   is right without it). It costs that copy, only in such graphs.
 
+- ``add_alpha_into_addmm``: Inductor's post-grad ``addmm`` pattern turns ``add(mm(a, b), x,
+  alpha=c)`` (either argument order) into ``addmm(x, a, b)``, dropping ``alpha``. torch's
+  single-tensor optimizers write a weight decay as ``grad.add(param, alpha=weight_decay)`` and SGD's
+  dampening as ``buf.add_(grad, alpha=1 - dampening)``, and in the fused optimizer's region a Linear
+  weight's grad is an ``mm``: SGD and Adam with ``weight_decay`` stepped as if it were 1.0, SGD's
+  dampening as if it were 0 (found by a correctness hunt; plain ``torch.compile`` of ``(a @
+  b).add(p, alpha=0.5)`` is 0.87 off too). The fix, a post-grad pre-pass: such an add's ``alpha`` is
+  a multiply of its second argument first, which the pattern then fuses correctly. Costs nothing
+  measurable (the multiply fuses into the addmm's input or stays a pointwise op).
+
 The patched methods are installed once, on the first vjpgen Inductor compile, and do something
 only inside :func:`active` (a context variable: another thread's compile is unaffected). Inductor's
 FX graph cache does not see a monkeypatch: :func:`config_patches` adds a no-op post-grad pass whose
@@ -48,7 +58,7 @@ from .fx_nodes import node_storage, written_args
 log = logging.getLogger("vjpgen")
 
 # bump when a workaround changes: the FX graph cache key changes with it
-VERSION = 2
+VERSION = 3
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("vjpgen_inductor_fixes", default=None)
 _INSTALLED: dict = {}  # workaround name -> installed (False: torch's code no longer has the hook)
@@ -212,6 +222,48 @@ def inner_compile(gm, example_inputs, *args, **kwargs):
         return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
 
+def add_alpha_into_addmm(graph: torch.fx.Graph) -> int:
+    """Rewrite each ``aten.add.Tensor(x, y, alpha=c)`` (c != 1) with an ``mm`` for an argument as
+    ``add(x, mul(y, c))`` (see the module docstring); the number rewritten."""
+    aten = torch.ops.aten
+    n_done = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not aten.add.Tensor:
+            continue
+        alpha = n.kwargs.get("alpha", n.args[2] if len(n.args) > 2 else 1)
+        if alpha == 1 or len(n.args) < 2:
+            continue
+        x, y = n.args[0], n.args[1]
+        if not any(isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target is aten.mm.default
+                   for a in (x, y)):
+            continue
+        with graph.inserting_before(n):
+            scaled = graph.call_function(aten.mul.Tensor, (y, alpha))
+        yv = y.meta.get("val") if isinstance(y, torch.fx.Node) else None
+        if isinstance(yv, torch.Tensor):
+            from torch._guards import detect_fake_mode
+
+            mode = detect_fake_mode([yv])
+            with mode if mode is not None else contextlib.nullcontext():
+                scaled.meta["val"] = aten.mul.Tensor(yv, alpha)
+        n.args = (x, scaled)
+        n.kwargs = {k: v for k, v in n.kwargs.items() if k != "alpha"}
+        n_done += 1
+    return n_done
+
+
+class _AddAlpha:
+    """The post-grad pre-pass of ``add_alpha_into_addmm`` (a CustomGraphPass: its ``uuid`` enters
+    Inductor's FX graph cache key)."""
+
+    def __call__(self, graph) -> None:
+        if _ACTIVE.get() is not None and add_alpha_into_addmm(graph):
+            _note("add_alpha_into_addmm")
+
+    def uuid(self):
+        return f"vjpgen-add-alpha-{VERSION}"
+
+
 class _CacheKey:
     """A post-grad pass that does nothing: its ``uuid`` puts the workarounds' version into Inductor's
     FX graph cache key (see the module docstring)."""
@@ -231,12 +283,22 @@ def config_patches() -> dict:
 
     if not enabled():
         return {}
+    global _KEY, _PRE
+    out = {}
+    if config.post_grad_custom_pre_pass is None:
+        if _PRE is None:
+            _PRE = type("VjpgenAddAlpha", (_AddAlpha, CustomGraphPass), {})()
+        out["post_grad_custom_pre_pass"] = _PRE
+    else:  # the user's own pre-pass stays (and add_alpha_into_addmm is not applied)
+        log.debug("vjpgen: a post_grad_custom_pre_pass of the user's: add_alpha_into_addmm not applied")
     if config.post_grad_custom_post_pass is not None:
-        return {"fx_graph_cache": False}
-    global _KEY
+        out["fx_graph_cache"] = False
+        return out
     if _KEY is None:
         _KEY = type("VjpgenInductorFixes", (_CacheKey, CustomGraphPass), {})()
-    return {"post_grad_custom_post_pass": _KEY}
+    out["post_grad_custom_post_pass"] = _KEY
+    return out
 
 
 _KEY = None
+_PRE = None
