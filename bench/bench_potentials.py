@@ -41,6 +41,9 @@ weights, each with its own Adam):
   (``runtime-aot``: with ``"aot_eager"``);
 * ``backend-aot``: ``torch.compile(model, backend="vjpgen", options={"compiler": "aot_eager"})``;
 * ``backend``: ``torch.compile(model, backend="vjpgen")`` (Inductor);
+* ``backend-tao``: ``backend`` with ``torch._dynamo.config.trace_autograd_ops = True`` (the grad
+  call kept in the compiled graph, as ``tc-tao`` for torch.compile; MACE's ``prepare`` sets it for
+  every row, so its ``backend`` row is this one);
 * ``tc``: ``torch.compile(model)`` (Inductor, AOTAutograd) with ``trace_autograd_ops = False``;
 * ``tc-tao``: the same with ``torch._dynamo.config.trace_autograd_ops = True``;
 * ``backend-whole``: the model, the loss and ``torch.autograd.grad(loss, weights)`` in one function
@@ -121,7 +124,8 @@ RESULTS = HERE / "results" / "potentials.md"
 CASE_PREFIX = "CASE-RESULT "
 CAPTURE_ENV = "VJPGEN_BENCH_CAPTURE_SCALARS"  # the children's capture_scalar_outputs (see the methods)
 MODELS = ("pair", "schnet", "painn", "mace", "nequip")
-METHODS = ("eager", "runtime", "runtime-aot", "backend-aot", "backend", "tc", "tc-tao", "backend-whole", "tc-whole")
+METHODS = ("eager", "runtime", "runtime-aot", "backend-aot", "backend", "backend-tao", "tc", "tc-tao", "backend-whole",
+           "tc-whole")
 # the whole step in one compiled function: the positions require grad before its call (mace's
 # plain-positions row is mace-pos there)
 WHOLE = ("backend-whole", "tc-whole")
@@ -138,6 +142,7 @@ METHOD_TEXT = {
     "runtime-aot": 'vjpgen runtime, `compiled_autograd("aot_eager")`',
     "backend-aot": '`torch.compile(model, backend="vjpgen", options={"compiler": "aot_eager"})`',
     "backend": '`torch.compile(model, backend="vjpgen")` (Inductor)',
+    "backend-tao": '`torch.compile(model, backend="vjpgen")` (Inductor), `trace_autograd_ops=True`',
     "tc": "`torch.compile(model)`, `trace_autograd_ops=False`",
     "tc-tao": "`torch.compile(model)`, `trace_autograd_ops=True`",
     "backend-check": '`torch.compile(model, backend="vjpgen")` (Inductor) with `VJPGEN_CHECK=1`',
@@ -438,7 +443,7 @@ def run_case(model_name: str, method: str, steps: int, reps: int, smoke: bool = 
     ref = copy.deepcopy(model)
     if method == "tc":
         torch._dynamo.config.trace_autograd_ops = False
-    elif method in ("tc-tao", *WHOLE):
+    elif method in ("tc-tao", "backend-tao", *WHOLE):
         torch._dynamo.config.trace_autograd_ops = True
     res["trace_autograd_ops"] = bool(getattr(torch._dynamo.config, "trace_autograd_ops", False))
     if method not in ("eager", "runtime", "runtime-aot"):  # (the methods that go through dynamo)
@@ -763,7 +768,7 @@ def main(argv=None) -> int:
         return smoke_report("bench_potentials", timers, skipped)
 
     t_start = time.monotonic()
-    cases = [(m, k) for m in a.models.split(",") for k in a.methods.split(",") if not (m == "mace" and k in WHOLE)]
+    cases = [(m, k) for m in a.models.split(",") for k in a.methods.split(",") if not (m == "mace" and k in (*WHOLE, "backend-tao"))]
     for model_name, extra in EXTRA_CASES:
         if model_name in a.models.split(","):
             cases += [c for c in extra if c[1] in a.methods.split(",")]
