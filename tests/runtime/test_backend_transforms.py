@@ -22,12 +22,7 @@ import vjpgen.runtime as rt
 AOT = {"compiler": "aot_eager"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    rt.reset_stats()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _w(*shape):

@@ -26,12 +26,7 @@ import vjpgen.runtime as rt
 SIZES = ((6, [0, 0, 1, 1, 1, 2]), (8, [0, 1, 1, 2, 3, 3, 3, 4]), (7, [0, 0, 0, 1, 1, 1, 2]))
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    rt.reset_stats()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _item_energy(pos, w, idx):
