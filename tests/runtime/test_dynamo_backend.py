@@ -620,9 +620,10 @@ def test_inductor_training_and_dropout_masks():
 def test_grads_of_some_inputs_without_grad_mode_are_compiled(kind):
     """``autograd.grad(loss, weights)`` where an input of the compiled graph requires grad but is
     not asked for (the positions of a force field's whole step): the backward computes only the
-    weights' grads, from a compiled graph of that vjp, also where it is constant in the inputs
-    (a linear function's: before, it ran uncompiled on every call), and no backward half is built
-    for it (nothing differentiates these grads). Eager's grads."""
+    weights' grads, from the graph's own backward compiled once more without the ops only the
+    other grads need (on the forward's saved values: no rerun of the forward, no next-order
+    graph), also where the grads are constant in the inputs (a linear function's: once, they ran
+    uncompiled on every call). Eager's grads; a call asking for every grad uses the full backward."""
     w = torch.randn(5, requires_grad=True)
 
     def f(x):
@@ -640,7 +641,15 @@ def test_grads_of_some_inputs_without_grad_mode_are_compiled(kind):
     _close(got[0], got[2], "w grad (second call)")
     b = _backend()
     assert b["uncompiled_vjp_calls"] == 0 and b["fallbacks"] == 0, b
-    assert b["compiles"] == {1: 1, 2: 1}, b  # the graph, then its vjp for w alone: once
+    assert b["compiles"] == {1: 1}, b  # the graph alone: no vjp graph for w's grad
+    assert b["narrowed_backwards"] == {1: 1}, b  # its backward for w alone: once
+    both = []
+    for fn in (f, c):
+        x = torch.randn(5, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        both.append(torch.autograd.grad(fn(x), [x, w]))
+    _close(both[0][0], both[1][0], "x grad")
+    _close(both[0][1], both[1][1], "w grad")
+    assert _backend()["narrowed_backwards"] == {1: 1}
 
 
 def test_inductor_forcefield_in_one_graph():

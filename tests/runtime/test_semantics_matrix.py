@@ -533,6 +533,63 @@ def test_will_engine_execute_node_raises_eagers_error_for_a_leaf():
     assert errs == want and len(want) == 2
 
 
+class _Asking(torch.autograd.Function):
+    """A node whose backward asks which of its next nodes the running backward executes, through
+    vjpgen's one-call query and through torch's function node by node (a captured leaf: True)."""
+
+    answers: list = []
+
+    @staticmethod
+    def forward(ctx, a, b, c):
+        return a * b * c
+
+    @staticmethod
+    def backward(ctx, g):
+        from vjpgen.runtime.execute import graph_task
+
+        nodes = [n for n, _ in ctx.next_functions] + [None]
+        torch_says = []
+        for n in nodes:
+            try:
+                torch_says.append(n is not None and torch._C._will_engine_execute_node(n))
+            except RuntimeError:  # a leaf autograd.grad captures at
+                torch_says.append(True)
+        _Asking.answers.append((graph_task.will_execute_each(nodes), tuple(torch_says)))
+        return g, g, g
+
+
+@pytest.mark.parametrize("native_helper", [True, False])
+def test_will_execute_each_answers_as_the_engine(native_helper, monkeypatch):
+    """``graph_task.will_execute_each`` (one native call: a compiled graph's backward asks it
+    which grads to compute) answers as torch's ``_will_engine_execute_node`` node by node, in
+    every kind of backward, eager's engine and vjpgen's own graph task (a live node under
+    ``compiled_autograd``), with and without the native helper."""
+    from vjpgen import native
+
+    if not native_helper:
+        monkeypatch.setattr(native, "module", lambda: None)
+    elif native.module() is None:
+        pytest.skip("the native helper is not built here")
+    w = torch.randn(3, requires_grad=True)
+    v = torch.randn(3, requires_grad=True)
+    x = torch.randn(3, requires_grad=True)
+    calls = {
+        "grad(w)": lambda y: torch.autograd.grad(y, [w]),
+        "grad(x, v)": lambda y: torch.autograd.grad(y, [x, v]),
+        "backward()": lambda y: y.backward(),
+        "backward(inputs=[w])": lambda y: y.backward(inputs=[w]),
+    }
+    want = {"grad(w)": (True, False, False, False), "grad(x, v)": (False, True, True, False),
+            "backward()": (True, True, True, False), "backward(inputs=[w])": (True, False, False, False)}
+    for ctx in (contextlib.nullcontext, lambda: rt.compiled_autograd("aot_eager")):
+        for name, call in calls.items():
+            _Asking.answers.clear()
+            with ctx():
+                call(_Asking.apply(w, v, x * 2).sum())
+            (ours, torchs), = _Asking.answers
+            assert tuple(ours) == torchs == want[name], (name, ctx, ours, torchs)
+
+
 def _save_sin(ctx, x):
     ctx.save_for_backward(x)
     return x.sin()

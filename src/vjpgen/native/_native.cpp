@@ -2286,6 +2286,34 @@ void call_leaves(pybind11::handle nodes, pybind11::handle grads, bool keep_graph
   });
 }
 
+// Per node of a sequence (None: false): whether the running backward executes it or captures a
+// grad at it, as torch._C._will_engine_execute_node answers from the engine's graph task, except for
+// a leaf's node that autograd.grad() captures at: true here, where torch's raises (its answer for
+// such a node is not defined), and a raise per leaf cost ~9 us from Python (a whole step's
+// autograd.grad(loss, weights) through a compiled graph asked it for each of 26 weights).
+pybind11::tuple engine_will_execute(const pybind11::sequence& nodes) {
+  const auto* info = torch::autograd::get_current_graph_task_exec_info();
+  const auto* in_graph = torch::autograd::get_current_graph_task_nodes_in_graph();
+  TORCH_CHECK(info != nullptr && in_graph != nullptr, "engine_will_execute: called outside a backward");
+  const size_t n = pybind11::len(nodes);
+  pybind11::tuple out(n);
+  for (size_t i = 0; i < n; ++i) {
+    pybind11::object o = nodes[i];
+    bool r = false;
+    if (!o.is_none()) {
+      NodeRef ref = node_of(o.ptr());
+      torch::autograd::Node* fn = ref.get();
+      r = fn != nullptr && in_graph->count(fn) > 0;
+      if (r && !info->empty()) {
+        auto it = info->find(fn);
+        r = it != info->end() && it->second.should_execute();
+      }
+    }
+    out[i] = pybind11::bool_(r);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -2329,5 +2357,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("buf"))
       .def("arm", &native_gather::Program::arm, pybind11::arg("token"), pybind11::arg("entry"))
       .def("never_arm", &native_gather::Program::never_arm);
+  m.def("engine_will_execute", &engine_will_execute,
+        "per node: the running backward executes it or captures at it (torch._C._will_engine_execute_node, a captured leaf true)",
+        pybind11::arg("nodes"));
   m.def("stealable", &stealable, "AccumulateGrad may keep grad itself as var.grad (layout contract, whole storage)");
 }

@@ -45,6 +45,9 @@ class _Stats:
             "fallbacks": 0,  # their total
             "fallback_reasons": Counter(),  # "order N: reason" -> count
             "uncompiled_vjp_calls": 0,  # calls of a vjp whose joint could not be built (run uncompiled)
+            # order -> backwards compiled again for a narrower set of grads than the graph's backward
+            # computes (diffgraph.CompiledGraph.backward_for)
+            "narrowed_backwards": Counter(),
         }
         # the optimizer step inside the compiled backward (runtime/integrations/fused_optim.py)
         self.fused_optimizer = {
@@ -63,6 +66,9 @@ class _Stats:
             "fallbacks": 0,  # graphs handed to torch's AOTAutograd (vjpgen could not build the joint)
             "fallback_reasons": Counter(),  # "reason" for a graph, "order N: reason" for a vjp
             "uncompiled_vjp_calls": 0,  # calls of a vjp whose joint could not be built (run uncompiled)
+            # order -> backwards compiled again for a narrower set of grads than the graph's backward
+            # computes (diffgraph.CompiledGraph.backward_for)
+            "narrowed_backwards": Counter(),
             # order -> a compiled graph's vjp traced into a later backward's region (create_graph)
             "traced_vjps": Counter(),
             # nodes of a joint with no vjpgen kernel (a custom Function's backward, a node without a

@@ -698,17 +698,20 @@ def checking() -> bool:
     return os.environ.get("VJPGEN_CHECK", "0").strip() not in ("", "0")
 
 
-def copy_graph(gm: torch.fx.GraphModule, keep=None, mutations: bool = True) -> torch.fx.GraphModule:
+def copy_graph(gm: torch.fx.GraphModule, keep=None, mutations: bool = True,
+               dropped_as_none: bool = False) -> torch.fx.GraphModule:
     """A copy of ``gm`` (same inputs) that a compiler's in-place rewrites of ``gm`` leave alone;
     ``keep``: one bool per output of a tuple-returning graph, the outputs the copy returns (the
-    ops only the others read are dropped). Ops that write in place stay, with what they read, even
+    ops only the others read are dropped; ``dropped_as_none``: the others are returned as None,
+    each output at its position). Ops that write in place stay, with what they read, even
     where nothing reads their result (``z = h.new_zeros(...); z.copy_(h)``: fx counts a method
     call pure, and dropping it left ``z`` zeros, a wrong function); ``mutations=False`` drops them
     too (a copy that runs after ``gm`` has made them)."""
     g = torch.fx.Graph()
     out = g.graph_copy(gm.graph, {})
     if keep is not None:
-        out = tuple(v for v, k in zip(out, keep) if k)
+        out = tuple(v if k else None for v, k in zip(out, keep)) if dropped_as_none else tuple(
+            v for v, k in zip(out, keep) if k)
     g.output(out)
     g.eliminate_dead_code(is_impure_node=_keeps_effects if mutations else _fx_impure)
     return torch.fx.GraphModule(gm, g)

@@ -15,6 +15,8 @@ import threading
 
 import torch
 
+from ... import native
+
 _engine = torch.autograd.Variable._execution_engine
 
 
@@ -172,6 +174,28 @@ def execution_oracle(plan, nodes, targets, accumulate: bool):
         return i in box[1] or i in box[2]
 
     return will_execute
+
+
+def will_execute_each(nodes) -> tuple:
+    """Per node of ``nodes`` (None: False): whether the running backward executes it or captures a
+    grad at it, as ``torch._C._will_engine_execute_node`` answers (vjpgen's own graph tasks
+    included, see :func:`run`), except that a leaf's node ``autograd.grad()`` captures at is True
+    (torch raises for it). One call of the native helper where the running graph task is the
+    engine's own (a raise per captured leaf cost ~9 us: 0.24 ms of a SchNet step's
+    ``autograd.grad(loss, weights)``); a question per node elsewhere."""
+    answers = getattr(_local, "answers", None)
+    if not answers or answers[-1][0] != torch._C._current_graph_task_id():
+        nat = native.module()
+        if nat is not None:
+            return nat.engine_will_execute(nodes)
+    return tuple(n is not None and _will_execute_or_captured(n) for n in nodes)
+
+
+def _will_execute_or_captured(node) -> bool:
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a leaf that torch.autograd.grad captures: its grad is wanted
+        return True
 
 
 def distributed_initialized() -> bool:

@@ -27,6 +27,7 @@ import torch
 
 from ..compile import capture
 from ..compile.fx_nodes import has_random_ops, has_unbacked_sizes, node_storage
+from ..execute import graph_task
 from ..plan import decide, kernels
 from . import joint, stages
 from ..stats import STATS
@@ -100,6 +101,8 @@ class CompiledGraph:
         self.fw_gm = fw_gm
         self.bw_gm = bw_gm
         self.vjps: dict = {}  # (mask, requires-grad pattern, sizes) -> CompiledGraph of the vjp
+        self.bw_fakes = ()  # the backward's example inputs (at the strides its code reads)
+        self.narrowed: dict = {}  # mask -> the backward compiled for those inputs' grads alone
 
     @classmethod
     def build(cls, fn, fakes, fake_mode, compiler: str, order: int, label: str, patches=None, counters=None,
@@ -121,12 +124,13 @@ class CompiledGraph:
         with capture.LOCK:
             gm = stages.trace(fn, fakes, fake_mode, meta, compiler)
             halves = stages.partition(gm, meta, compiler)
-            fw, bw, bw_strides = stages.compile_halves(halves, fakes, fake_mode, compiler, f"{label} (order {order})",
-                                                       patches)
+            fw, bw, bw_fakes = stages.compile_halves(halves, fakes, fake_mode, compiler, f"{label} (order {order})",
+                                                     patches)
         counters["compiles"][order] += 1
         cg = cls(fn, meta, fw, bw, halves.bw_args, len(halves.saved), order, compiler, label, halves.fw_gm,
                  halves.bw_gm, counters)
-        cg.bw_strides = bw_strides
+        cg.bw_fakes = bw_fakes
+        cg.bw_strides = tuple(stages.static_strides(f) for f in bw_fakes)
         cg.family = family if family is not None else Family()
         cg.patches = patches
         cg._describe(fakes, halves)
@@ -242,23 +246,47 @@ class CompiledGraph:
             args[i] = torch.empty_strided(a.shape, self.bw_strides[i], dtype=a.dtype, device=a.device).copy_(a)
         return args
 
+    def backward_for(self, mask: tuple):
+        """The compiled backward (boxed, as :attr:`bw`) for a call that asks for the grads of the
+        inputs in ``mask`` alone, where the graph's backward computes more (``autograd.grad(loss,
+        weights)`` where the positions require grad too; ``backward(inputs=...)``): the same
+        backward half, on the same saved values, with the ops only the other grads need dropped
+        (:func:`stages.compile_narrowed`), compiled once per mask. A grad nobody asks for is never
+        computed, as eager's node computes only the grads its backward uses. Should that compile
+        fail, the full backward serves the mask (its other grads computed and dropped), logged."""
+        bw = self.narrowed.get(mask)
+        if bw is not None:
+            return bw
+        with capture.LOCK:
+            bw = self.narrowed.get(mask)
+            if bw is None:
+                wanted = ", ".join(str(i) for i, m in enumerate(mask) if m)
+                what = f"the backward of {self.label} (order {self.order}) for the grads of inputs {wanted}"
+                try:
+                    bw = stages.compile_narrowed(self.bw_gm, self.bw_fakes, self.meta.n_inputs, mask, self.compiler,
+                                                 what, self.patches)
+                    self.counters["narrowed_backwards"][self.order] += 1
+                except Exception as e:  # noqa: BLE001 - the full backward computes the same grads
+                    log.warning("vjpgen backend: compiling %s failed (%s: %s); the full backward serves it (please "
+                                "report)", what, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                    bw = self.bw
+                self.narrowed[mask] = bw
+        return bw
+
     # -- the next order
 
-    def vjp_graph(self, mask: tuple, args: list, plain: bool = False):
+    def vjp_graph(self, mask: tuple, args: list):
         """The CompiledGraph of this graph's vjp with respect to the inputs in ``mask``, for
         ``args`` (primals then tangents): traced at their exact sizes on first use (for a dynamic
         graph: with its symbolic dimensions symbolic); when sizes change (a force field trained
         on molecules of different atom counts), traced once more with the dimensions that changed
         symbolic, valid where its shape guards hold (as the runtime's regions turn dynamic after
-        one change). ``plain``: the vjp for a backward that runs without grad mode (nothing will
-        differentiate its grads): one compiled graph of the vjp function, no backward half, no
-        saved values (an :class:`InferenceGraph`), also where the grads are constant in the inputs
-        (a linear function's), which have no differentiable graph to compile."""
+        one change)."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         ints = [a for a in args if not isinstance(a, torch.Tensor)]
         # the structure: everything but the sizes (the tensors' and the int arguments, which dynamo
         # passes for its dynamic sizes)
-        skey = (mask, plain, tuple((a.dtype, a.device, a.dim(), a.requires_grad) if isinstance(a, torch.Tensor)
+        skey = (mask, tuple((a.dtype, a.device, a.dim(), a.requires_grad) if isinstance(a, torch.Tensor)
                                    else type(a) for a in args))
         exact = (tuple((tuple(t.shape), tuple(t.stride())) for t in tensors), tuple(ints))
         TI = [*tensors, *ints]
@@ -281,7 +309,7 @@ class CompiledGraph:
                 fam["first"] = exact
                 if not any(t_dyn) and not any(i_dyn):  # a static graph: its vjp static first
                     fakes, fake_mode = _static_fakes(args, has_unbacked_sizes(self.fw_gm))
-                    cg = self._build_vjp(fn, fakes, fake_mode, mask, plain)
+                    cg = self._build_vjp(fn, fakes, fake_mode, mask)
                     fam["static"][exact] = cg if cg is not None else False
                     return cg
                 # a dynamic graph: its vjp dynamic in the same dimensions
@@ -299,29 +327,20 @@ class CompiledGraph:
             tfakes, ivals, shape_env, fake_mode = capture.fakeify(tensors, ints, dd, di)
             it_t, it_i = iter(tfakes), iter(ivals)
             fakes = [next(it_t) if isinstance(a, torch.Tensor) else next(it_i) for a in args]
-            cg = self._build_vjp(fn, fakes, fake_mode, mask, plain)
+            cg = self._build_vjp(fn, fakes, fake_mode, mask)
             guard, _ = make_guard(shape_env, tfakes, ivals)
             fam["dynamic"].append((guard, cg if cg is not None else False))
             return cg
 
 
-    def _build_vjp(self, fn, fakes, fake_mode, mask, plain=False):
-        """The next order's CompiledGraph (``plain``: its :class:`InferenceGraph`), or an
-        :class:`EagerVjp` (counted) where vjpgen cannot build its joint: that order is then
-        computed by running ``fn`` (vjpgen's kernels on the real tensors, recorded by autograd),
-        eager's values, never an error eager does not raise."""
+    def _build_vjp(self, fn, fakes, fake_mode, mask):
+        """The next order's CompiledGraph, or an :class:`EagerVjp` (counted) where vjpgen cannot
+        build its joint: that order is then computed by running ``fn`` (vjpgen's kernels on the
+        real tensors, recorded by autograd), eager's values, never an error eager does not raise."""
         order = self.order + 1
         n_ops = sum(1 for n in self.fw_gm.graph.nodes if n.op == "call_function")
         budget = max(MIN_VJP_OPS, VJP_GROWTH * n_ops)
         try:
-            if plain:
-                meta = stages.analyse(fn, fakes, fake_mode, budget)
-                meta.diff_outputs = ()  # (traced as a forward: nothing differentiates these grads)
-                ig = InferenceGraph.build(fn, fakes, fake_mode, meta, self.compiler,
-                                          f"{self.label} (order {order}, its grads without grad mode)", self.patches,
-                                          self.counters, counter=None)
-                self.counters["compiles"][order] += 1
-                return ig
             return CompiledGraph.build(fn, fakes, fake_mode, self.compiler, order, self.label, self.patches,
                                        self.counters, self.family.vjp(mask), budget)
         except joint.TooLarge as e:
@@ -360,8 +379,7 @@ class InferenceGraph:
         self.fw_deps = deps  # per output: the inputs it depends on (as CompiledGraph.fw_deps)
 
     @classmethod
-    def build(cls, fn, fakes, fake_mode, meta, compiler: str, label: str, patches, counters,
-              counter="grad_inference_graphs"):
+    def build(cls, fn, fakes, fake_mode, meta, compiler: str, label: str, patches, counters):
         with capture.LOCK:
             gm = stages.trace(fn, fakes, fake_mode, meta, compiler)
             n_out = len(meta.out_kinds)
@@ -369,15 +387,8 @@ class InferenceGraph:
             what = f"{label} (no differentiable output, {meta.expanded} grad call(s) expanded)"
             with stages.own_tracing_context(fake_mode):
                 fw = capture.compile_graph(gm, list(fakes), compiler, f"the {what}", patches)
-        if counter is not None:
-            counters[counter] += 1
+        counters["grad_inference_graphs"] += 1
         return cls(fw, n_out, meta.mutated, gm, deps)
-
-    def call(self, args: list):
-        """Its outputs for ``args``, without grad (a vjp's grads where the backward runs without
-        grad mode)."""
-        with torch.no_grad():
-            return tuple(self.fw(list(args))[:self.n_out])
 
     def runtime(self):
         """The callable dynamo calls (unboxed)."""
@@ -535,14 +546,14 @@ class GraphFn(torch.autograd.Function):
             record_fallback(cg.counters, f"order {cg.order}: batched grads (torch's vmap): torch.func.vjp of the "
                             "function", cg.order)
             return (None, None, *_func_vjp(cg.fn, ctx.primals, _engine_mask(ctx, meta), tangents, meta.diff_outputs))
-        elif ctx.primals is not None and not cg.random:
-            mask = _engine_mask(ctx, meta)
-            if mask != tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs)):
-                # grads the running backward does not use are not computed (eager's node does not
-                # compute them, and their kernels may raise): the vjp for the inputs it uses
-                # (one plain compiled graph of that vjp, constant ones included: never None)
-                grads = _differentiable_backward(ctx, cg, tangents, gouts, mask, plain=True)
-                return (None, None, *grads)
+        bw = cg.bw
+        mask = _engine_mask(ctx, meta)
+        if mask != tuple(bool(ctx.needs_input_grad[2 + i]) for i in range(meta.n_inputs)):
+            # grads the running backward does not use are not computed (eager's node does not
+            # compute them): the backward compiled for the inputs it uses, on the same saved values
+            if not any(mask):
+                return (None, None, *([None] * meta.n_inputs))
+            bw = cg.backward_for(mask)
         _check_versions(ctx, cg.saved_inputs)
         args = cg.as_compiled_for(cg.bw_inputs(ctx.saved_tensors, ctx.saved_other, tangents))
         del tangents
@@ -551,7 +562,7 @@ class GraphFn(torch.autograd.Function):
             # saved tensor after its last use (as AOTAutograd's compiled backward does)
             ctx.primals = None
             ctx.maybe_clear_saved_tensors()
-        grads = list(cg.bw(args)[:meta.n_inputs])
+        grads = list(bw(args)[:meta.n_inputs])
         _undefine(grads, cg.bw_deps, gouts, meta.diff_outputs, 0)
         return (None, None, *grads)
 
@@ -572,18 +583,16 @@ def _check_versions(ctx, positions) -> None:
             )
 
 
-def _differentiable_backward(ctx, cg, tangents, gouts, mask=None, plain=False):
-    """A create_graph backward: the grads as the outputs of the vjp's own compiled graph, called
-    on the inputs (whose history it keeps) and the tangents; with grad mode off (``mask``: a
-    narrower set of inputs than the graph's backward computes; ``plain``) the vjp's plain graph
-    (:meth:`CompiledGraph.vjp_graph`)."""
+def _differentiable_backward(ctx, cg, tangents, gouts):
+    """A create_graph backward: the grads as the outputs of the vjp's own compiled graph
+    (:meth:`CompiledGraph.vjp_graph`), called on the inputs (whose history it keeps) and the
+    tangents."""
     primals = ctx.primals
     if primals is None:
         raise RuntimeError(_SECOND_BACKWARD)
     _check_versions(ctx, range(len(primals)))
     meta = cg.meta
-    if mask is None:
-        mask = _engine_mask(ctx, meta)
+    mask = _engine_mask(ctx, meta)
     if not any(mask):
         return [None] * meta.n_inputs
     args = [*primals, *tangents]
@@ -598,7 +607,7 @@ def _differentiable_backward(ctx, cg, tangents, gouts, mask=None, plain=False):
         record_fallback(cg.counters, f"order {cg.order + 1}: create_graph inside torch's vmap (batched grads): "
                         "torch.func.vjp of the function", cg.order + 1)
         return _func_vjp(cg.fn, primals, mask, tangents, meta.diff_outputs)
-    vg = cg.vjp_graph(mask, args, plain)
+    vg = cg.vjp_graph(mask, args)
     if vg is None:  # no grad requires grad: not None, but constants (the caller's first-order path)
         return None
     if cg.random:
@@ -614,8 +623,6 @@ def _differentiable_backward(ctx, cg, tangents, gouts, mask=None, plain=False):
         outs = list(vg.call(args))
     if isinstance(vg, EagerVjp):  # (it computes only the grads some tangent reaches)
         cg.counters["uncompiled_vjp_calls"] += 1
-        if plain:  # (computed with grad mode on; the backward asking for them runs without it)
-            outs = [None if o is None else o.detach() for o in outs]
     else:
         _undefine(outs, vg.fw_deps, gouts, meta.diff_outputs, meta.n_inputs)
     res = [None] * meta.n_inputs
@@ -667,24 +674,17 @@ def _check_rerun(cg, fw_outs, rerun) -> None:
             raise RuntimeError(_RANDOM_RERUN.format(label=cg.label, why="its rerun computed other outputs"))
 
 
-def _engine_will_execute(node) -> bool:
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # a leaf that torch.autograd.grad captures: its grad is wanted
-        return True
-
-
 def _engine_mask(ctx, meta) -> tuple:
     """Per input: its grad is needed and the running backward will use it, as an eager node asks
     ``task_should_compute_output`` (a grad that only flows to an input nobody asked for is not
-    computed: its kernel may raise where eager, which never runs it, does not)."""
+    computed: in a vjp traced for it, its kernel may raise where eager, which never runs it, does
+    not)."""
     nf = ctx.next_functions  # one edge per tensor input, in order
+    needs = ctx.needs_input_grad
+    will = graph_task.will_execute_each(
+        [nf[j][0] if needs[2 + i] else None for j, i in enumerate(meta.tensor_inputs)])
     edge = {i: j for j, i in enumerate(meta.tensor_inputs)}
-    return tuple(
-        bool(ctx.needs_input_grad[2 + i]) and i in edge and nf[edge[i]][0] is not None
-        and _engine_will_execute(nf[edge[i]][0])
-        for i in range(meta.n_inputs)
-    )
+    return tuple(i in edge and will[edge[i]] for i in range(meta.n_inputs))
 
 
 def _func_vjp(fn, primals, mask, tangents, diff_outputs) -> list:

@@ -139,10 +139,10 @@ def partition(gm, meta, compiler: str) -> Halves:
 
 
 def compile_halves(halves: Halves, fakes, fake_mode, compiler: str, what: str, patches=None):
-    """Stage 4: (forward, backward, the backward's input strides) with both halves compiled with
-    ``compiler`` (boxed callables); ``patches``: Inductor settings. The strides: per backward input,
-    those its compiled code reads it at (static sizes only; None elsewhere). Called under
-    ``capture.LOCK``."""
+    """Stage 4: (forward, backward, the backward's example inputs) with both halves compiled with
+    ``compiler`` (boxed callables); ``patches``: Inductor settings. The example inputs are at the
+    strides the compiled backward reads its inputs at (:func:`saved_as_returned`; a narrowed
+    backward, :func:`compile_narrowed`, is compiled for the same). Called under ``capture.LOCK``."""
     with own_tracing_context(fake_mode), logs.progress(
             f"compiling the forward and backward of a {what} with {compiler}"):
         # (the forward's saved values, read only by its backward, as Inductor returns them: the
@@ -153,10 +153,29 @@ def compile_halves(halves: Halves, fakes, fake_mode, compiler: str, what: str, p
                                    internal_from=n_fw, output_strides=strides)
         bw_fakes = saved_as_returned(placeholder_vals(halves.bw_gm), halves.bw_args, strides[n_fw:])
         bw = capture.compile_graph(halves.bw_gm, bw_fakes, compiler, f"the backward of {what}", patches)
-    return fw, bw, tuple(_static_strides(f) for f in bw_fakes)
+    return fw, bw, bw_fakes
 
 
-def _static_strides(f):
+def compile_narrowed(bw_gm, bw_fakes, n_inputs: int, mask: tuple, compiler: str, what: str, patches=None):
+    """The backward ``bw_gm`` (compiled by :func:`compile_halves` for ``bw_fakes``) computing only
+    the grads of the inputs in ``mask`` (the others None, and the ops only they need dropped),
+    compiled for the same example inputs: a backward that asks for fewer grads than the compiled
+    one computes (``autograd.grad(loss, weights)`` where the positions require grad too) runs on
+    the forward's saved values, as the full one does, and never computes a grad nobody asked for.
+    Called under ``capture.LOCK``."""
+    gm = capture.copy_graph(bw_gm, keep=[i >= n_inputs or bool(mask[i]) for i in range(_n_outputs(bw_gm))],
+                            dropped_as_none=True)
+    fake_mode = next((f.fake_mode for f in bw_fakes if isinstance(f, torch.Tensor) and hasattr(f, "fake_mode")),
+                     None)
+    with own_tracing_context(fake_mode):
+        return capture.compile_graph(gm, list(bw_fakes), compiler, what, patches)
+
+
+def _n_outputs(gm) -> int:
+    return len(next(iter(gm.graph.find_nodes(op="output"))).args[0])
+
+
+def static_strides(f):
     if not isinstance(f, torch.Tensor) or not all(type(x) is int for x in (*f.shape, *f.stride())):
         return None
     return tuple(f.stride())
