@@ -590,6 +590,38 @@ def test_will_execute_each_answers_as_the_engine(native_helper, monkeypatch):
             assert tuple(ours) == torchs == want[name], (name, ctx, ours, torchs)
 
 
+def test_differentiating_a_freed_create_graph_graph_raises_eagers_error():
+    """The grads of a create_graph backward, differentiated twice without retain_graph: eager's
+    "backward through the graph a second time" error (the compiled graph's node runs live the
+    second time, outside vjpgen's graph task, and once raised another error there)."""
+
+    def run():
+        w = torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        (g,) = torch.autograd.grad(torch.sin(x @ w).sum(), x, create_graph=True)
+        g.sum().backward()
+        g.sum().backward()
+
+    for ctx in (contextlib.nullcontext, lambda: rt.compiled_autograd("aot_eager")):
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            with ctx():
+                run()
+
+
+def test_a_compiled_graphs_node_applied_directly_gives_its_grads():
+    """``out.grad_fn.apply(g)`` outside any backward (no graph task to ask which grads are wanted):
+    every grad, as AOTAutograd's node gives them."""
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    y = torch.compile(lambda a, b: (a * b).sin(), backend="vjpgen", options={"compiler": "aot_eager"})(x, w)
+    with torch.no_grad():
+        got = [g for g in y.grad_fn.apply(torch.ones(4, dtype=torch.float64)) if g is not None]
+    torch.testing.assert_close(got[0], (x * w).cos().detach() * w.detach())
+    torch.testing.assert_close(got[1], (x * w).cos().detach() * x.detach())
+    torch._dynamo.reset()
+
+
 def _save_sin(ctx, x):
     ctx.save_for_backward(x)
     return x.sin()

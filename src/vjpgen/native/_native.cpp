@@ -2291,10 +2291,13 @@ void call_leaves(pybind11::handle nodes, pybind11::handle grads, bool keep_graph
 // a leaf's node that autograd.grad() captures at: true here, where torch's raises (its answer for
 // such a node is not defined), and a raise per leaf cost ~9 us from Python (a whole step's
 // autograd.grad(loss, weights) through a compiled graph asked it for each of 26 weights).
-pybind11::tuple engine_will_execute(const pybind11::sequence& nodes) {
+// Outside a backward (a node's apply called directly): None.
+pybind11::object engine_will_execute(const pybind11::sequence& nodes) {
   const auto* info = torch::autograd::get_current_graph_task_exec_info();
   const auto* in_graph = torch::autograd::get_current_graph_task_nodes_in_graph();
-  TORCH_CHECK(info != nullptr && in_graph != nullptr, "engine_will_execute: called outside a backward");
+  if (info == nullptr || in_graph == nullptr) {
+    return pybind11::none();
+  }
   const size_t n = pybind11::len(nodes);
   pybind11::tuple out(n);
   for (size_t i = 0; i < n; ++i) {

@@ -182,19 +182,21 @@ def will_execute_each(nodes) -> tuple:
     included, see :func:`run`), except that a leaf's node ``autograd.grad()`` captures at is True
     (torch raises for it). One call of the native helper where the running graph task is the
     engine's own (a raise per captured leaf cost ~9 us: 0.24 ms of a SchNet step's
-    ``autograd.grad(loss, weights)``); a question per node elsewhere."""
+    ``autograd.grad(loss, weights)``); a question per node elsewhere. Outside a backward (a
+    node's ``apply`` called directly) every node counts: nothing narrows the call."""
     answers = getattr(_local, "answers", None)
     if not answers or answers[-1][0] != torch._C._current_graph_task_id():
         nat = native.module()
         if nat is not None:
-            return nat.engine_will_execute(nodes)
+            r = nat.engine_will_execute(nodes)
+            return tuple(n is not None for n in nodes) if r is None else r
     return tuple(n is not None and _will_execute_or_captured(n) for n in nodes)
 
 
 def _will_execute_or_captured(node) -> bool:
     try:
         return torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # a leaf that torch.autograd.grad captures: its grad is wanted
+    except RuntimeError:  # a leaf that torch.autograd.grad captures (its grad is wanted), or no backward running
         return True
 
 

@@ -267,8 +267,17 @@ class CompiledGraph:
                                                  what, self.patches)
                     self.counters["narrowed_backwards"][self.order] += 1
                 except Exception as e:  # noqa: BLE001 - the full backward computes the same grads
-                    log.warning("vjpgen backend: compiling %s failed (%s: %s); the full backward serves it (please "
-                                "report)", what, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+                    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+                    if isinstance(e, TensorifyScalarRestartAnalysis):
+                        # (a graph whose float scalars dynamo made symbolic, e.g. an ``.item()`` that
+                        # turned dynamic: AOTAutograd asks for a restart that only dynamo can make)
+                        log.info("vjpgen backend: %s cannot be compiled again for its float scalars; the full "
+                                 "backward serves it", what)
+                    else:
+                        log.warning("vjpgen backend: compiling %s failed (%s: %s); the full backward serves it "
+                                    "(please report)", what, type(e).__name__,
+                                    str(e).splitlines()[0][:200] if str(e) else "")
                     bw = self.bw
                 self.narrowed[mask] = bw
         return bw
