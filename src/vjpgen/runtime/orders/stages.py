@@ -147,7 +147,7 @@ def compile_halves(halves: Halves, fakes, fake_mode, compiler: str, what: str, p
             f"compiling the forward and backward of a {what} with {compiler}"):
         # (the forward's saved values, read only by its backward, as Inductor returns them: the
         # primals and views of them it saves are not regenerated as aliases on each call)
-        n_fw = len(next(iter(halves.fw_gm.graph.find_nodes(op="output"))).args[0]) - len(halves.saved)
+        n_fw = _n_outputs(halves.fw_gm) - len(halves.saved)
         strides: list = []
         fw = capture.compile_graph(halves.fw_gm, list(fakes), compiler, f"the forward of {what}", patches,
                                    internal_from=n_fw, output_strides=strides)
