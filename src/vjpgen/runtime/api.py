@@ -231,6 +231,11 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
                     "can't retain_grad on Tensor that has requires_grad=False" if accumulate
                     else "One of the differentiated Tensors does not require grad"
                 )
+            if accumulate and t.grad_fn is not None:
+                # backward(inputs=[non-leaf]) calls retain_grad() on it before running, as eager's
+                # engine entry does: the retain hook fills .grad in this call (once) and keeps
+                # retaining in later backwards
+                t.retain_grad()
             targets_edges.append(_gradient_edge(t, "inputs", i))
 
     native_hooks = native.module() is not None
@@ -374,18 +379,8 @@ def execute_call(call, nodes, metas, grads, inputs, targets, retain_graph, backe
         result = None
         if targets is not None:
             captured = leaves.captured_grads(plan, nodes, buf, ctx)
-            if accumulate:
-                for t, tgt, g in zip(inputs, targets, captured):
-                    if g is None or tgt is None or plan.infos[tgt[0]].is_acc:
-                        continue
-                    if not isinstance(t, torch.Tensor):  # a GradientEdge: no tensor to retain it on, as eager
-                        continue
-                    # backward(inputs=[non-leaf]) retains the grad on that tensor
-                    if t.grad is None:
-                        t.grad = g.clone() if id(g) in ctx.protected else g
-                    else:
-                        t.grad = t.grad + g
-            else:
+            # (backward(inputs=[non-leaf]): the retain hook set before the walk filled its .grad)
+            if not accumulate:
                 for i, g in enumerate(captured):
                     if g is None and not allow_unused:
                         raise RuntimeError(
