@@ -209,3 +209,62 @@ def test_peak_memory_not_above_eager_inductor(kind):
     peak_e, peaks = _check(kind, False, "inductor", measure=True)
     for p in peaks:
         assert p <= peak_e + 1024, (kind, p, peak_e)
+
+
+# --- create_graph inside a checkpointed block (a force or a PINN residual in a checkpoint) --------
+# The create_graph region traces its kernels over fakes in grad mode; the checkpoint's pack hook
+# around it must not take the trace's fakes (its unpack recomputed the block inside the trace, then
+# raised "Unpack is being triggered for a tensor that was already unpacked once").
+
+def _grad_inside(u):
+    return torch.autograd.grad(u.exp().sum(), u, create_graph=True)[0]
+
+
+def _mlp_force(w1, w2):
+    def f(pos):
+        e = (torch.tanh(pos @ w1) @ w2).sum()
+        return torch.autograd.grad(e, pos, create_graph=True)[0]
+    return f
+
+
+@pytest.mark.parametrize("case", ["exp", "mlp_force", "save_on_cpu"])
+def test_create_graph_grad_inside_checkpoint_equals_eager(case):
+    torch.manual_seed(0)
+    w1 = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(8, 1, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    if case == "exp":
+        leaves, fn = [x], _grad_inside
+    else:
+        leaves, fn = [x, w1, w2], _mlp_force(w1, w2)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        if case == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                out = fn(x)
+        else:
+            out = cp.checkpoint(fn, x, use_reentrant=False)
+        (out ** 2).sum().backward()
+        return [t.grad.clone() for t in leaves]
+
+    ref = step()
+    for _ in range(2):  # the first call compiles, the second reuses
+        with rt.compiled_autograd("aot_eager"):
+            got = step()
+        for r, g in zip(ref, got):
+            torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+def test_trace_leaves_no_fake_in_the_callers_saved_tensor_hooks():
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    packed = []
+
+    def pack(t):
+        packed.append(type(t))
+        return t
+
+    with rt.compiled_autograd("aot_eager"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _grad_inside(x)
+    assert packed and all(t is torch.Tensor for t in packed), packed

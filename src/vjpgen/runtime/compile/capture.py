@@ -8,6 +8,7 @@ state is a constant of the graph and part of its cache key (see :mod:`vjpgen.run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -224,12 +225,32 @@ def fakeify(tensors, ints, dyn_dims, dyn_ints):
 LOCK = threading.RLock()
 
 
+_set_hooks_tracing = getattr(torch._C._autograd, "_saved_tensors_hooks_set_tracing", None)
+
+
+@contextlib.contextmanager
+def ambient_saved_hooks_off():
+    """The saved-tensor hooks of the code around a trace (``torch.utils.checkpoint``'s,
+    ``save_on_cpu``) belong to the user's graph, not to the graph of fakes a trace builds in grad
+    mode (a create_graph region, a joint): ignored while tracing, as dynamo ignores them. Left on,
+    a non-reentrant checkpoint's pack hook took the trace's fake tensors and its unpack recomputed
+    the user's function inside the trace."""
+    if _set_hooks_tracing is None:
+        yield
+        return
+    prior = _set_hooks_tracing(True)
+    try:
+        yield
+    finally:
+        _set_hooks_tracing(prior)
+
+
 def trace(fn, fake_args, grad: bool = False) -> torch.fx.GraphModule:
     """make_fx of ``fn`` over fake arguments. ``grad``: the kernels run in grad mode, as a
     create_graph backward runs them, over fakes that require grad as the real inputs do: the
     branches FunctionsManual takes only for a differentiable result (a ``DelayedError`` whose check
     reads values, so the trace raises and that node runs as eager's) are taken here too."""
-    with torch.set_grad_enabled(grad):
+    with torch.set_grad_enabled(grad), ambient_saved_hooks_off():
         return make_fx(fn, tracing_mode="symbolic")(*fake_args)
 
 

@@ -113,7 +113,16 @@ class CompiledGraph:
         :class:`Family` of the function (a new one by default); ``max_ops``: :class:`joint.TooLarge`
         when the function runs more aten ops. ``inference``: a function with no differentiable
         output that calls ``torch.autograd.grad`` (forces at inference, a whole training step
-        returning detached values) is an :class:`InferenceGraph` instead of None."""
+        returning detached values) is an :class:`InferenceGraph` instead of None.
+
+        Every stage runs the function over fakes in grad mode: the saved-tensor hooks around the
+        call (a non-reentrant checkpoint's) are off meanwhile (:func:`capture.ambient_saved_hooks_off`)."""
+        with capture.ambient_saved_hooks_off():
+            return cls._build(fn, fakes, fake_mode, compiler, order, label, patches, counters, family, max_ops,
+                              inference)
+
+    @classmethod
+    def _build(cls, fn, fakes, fake_mode, compiler, order, label, patches, counters, family, max_ops, inference):
         if counters is None:
             counters = STATS.backend
         meta = stages.analyse(fn, fakes, fake_mode, max_ops)
