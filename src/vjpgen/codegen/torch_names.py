@@ -54,6 +54,22 @@ class TorchNames:
 
         return self._answer(f"fn:{name}", compute)
 
+    def takes_optional_tensor_list(self, name: str) -> bool:
+        """Whether an overload of ``aten::<name>`` takes a ``Tensor?[]`` (``index_put``'s
+        indices). The Python bindings ``torch.<name>`` / ``Tensor.<name>`` reject ``None`` entries
+        in such a list (a dimension taken whole, as interpolate's decomposition saves them), so
+        the generated code calls ``torch.ops.aten.<name>``, which takes them."""
+
+        def compute():
+            import torch
+
+            return any(
+                s.name == f"aten::{name}" and any(str(a.type) == "List[Optional[Tensor]]" for a in s.arguments)
+                for s in torch._C._jit_get_all_schemas()
+            )
+
+        return self._answer(f"optlist:{name}", compute)
+
     def has_method(self, name: str) -> bool:
         """Whether ``torch.Tensor`` has an attribute ``name``."""
 

@@ -384,6 +384,9 @@ class _Lowerer:
         if m in _ATEN_METHODS:
             return self.call(self.expr(_ATEN_METHODS[m]), [obj, *a])
         pm = _RENAMED_METHODS.get(m, _drop_symint(m))
+        if self.names.takes_optional_tensor_list(pm):  # (None among its indices: the aten op)
+            pos, kws = self.split_keywords(pm, True, a)
+            return self.call(self.expr(f"torch.ops.aten.{pm}"), [obj, *pos], kws)
         if not self.names.has_method(pm):
             if m in self.helpers_set:
                 self.used_helpers.add(m)
@@ -470,6 +473,9 @@ class _Lowerer:
                 self.used_helpers.add(cand)
                 return self.call(self.name(cand), a)
         py = _drop_symint(base)
+        if self.names.takes_optional_tensor_list(py):  # (None among its indices: the aten op)
+            pos, kws = self.split_keywords(py, False, a)
+            return self.call(self.expr(f"torch.ops.aten.{py}"), pos, kws)
         torch_fn = self.names.function(py)
         if torch_fn is not None:
             pos, kws = self.split_keywords(py, False, a)

@@ -41,7 +41,11 @@ def apply_functional(grads, needs_input_grad, accumulate, indices, values_info):
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
         grad_inputs[0] = (
-            (grad if accumulate else grad.index_put(indices, values_info.zeros(), False))
+            (
+                grad
+                if accumulate
+                else torch.ops.aten.index_put(grad, indices, values_info.zeros(), False)
+            )
             if any_grad_defined
             else None
         )

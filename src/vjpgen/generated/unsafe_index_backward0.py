@@ -37,7 +37,7 @@ def apply_functional(grads, needs_input_grad, indices, self_options, self_sym_si
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
         grad_inputs[0] = (
-            torch._unsafe_index_put(
+            torch.ops.aten._unsafe_index_put(
                 grad.new_zeros(self_sym_sizes, **self_options.kwargs()), indices, grad, True
             )
             if any_grad_defined

@@ -44,13 +44,13 @@ def apply_functional(grads, needs_input_grad, accumulate, indices, values_info):
             (
                 grad
                 if accumulate
-                else torch._unsafe_index_put(grad, indices, values_info.zeros(), False)
+                else torch.ops.aten._unsafe_index_put(grad, indices, values_info.zeros(), False)
             )
             if any_grad_defined
             else None
         )
     if needs_input_grad[1]:  # values
-        grad_inputs[1] = torch._unsafe_index(grad, indices) if any_grad_defined else None
+        grad_inputs[1] = torch.ops.aten._unsafe_index(grad, indices) if any_grad_defined else None
     return grad_inputs
 
 

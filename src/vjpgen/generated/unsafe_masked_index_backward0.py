@@ -37,7 +37,7 @@ def apply_functional(grads, needs_input_grad, indices, mask, self_options, self_
     any_grad_defined = any(g is not None for g in grads)
     if needs_input_grad[0]:  # self
         grad_inputs[0] = (
-            torch._unsafe_masked_index_put_accumulate(
+            torch.ops.aten._unsafe_masked_index_put_accumulate(
                 grad.new_zeros(self_sym_sizes, **self_options.kwargs()), mask, indices, grad
             )
             if any_grad_defined

@@ -40,7 +40,9 @@ def apply_functional(grads, needs_input_grad, indices, mask):
         grad_inputs[0] = grad if any_grad_defined else None
     if needs_input_grad[1]:  # values
         grad_inputs[1] = (
-            torch._unsafe_masked_index(grad, mask, indices, 0) if any_grad_defined else None
+            torch.ops.aten._unsafe_masked_index(grad, mask, indices, 0)
+            if any_grad_defined
+            else None
         )
     return grad_inputs
 
