@@ -14,17 +14,6 @@ def fake_gen(monkeypatch):
     rt.clear_cache()
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """Dynamo's caches reset and vjpgen's stats zeroed around a test that compiles with dynamo."""
-    import torch
-
-    torch._dynamo.reset()
-    rt.reset_stats()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _cold_inductor_cache(tmp_path_factory):
     """One empty Inductor cache for the session: a cache entry compiled by an older vjpgen (whose

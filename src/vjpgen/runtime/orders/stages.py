@@ -45,6 +45,9 @@ def set_expanding(cm) -> None:
 
 def _decompositions(compiler: str):
     if compiler == "inductor":
+        # (some of the table's decompositions read torch._inductor.lowering at call time, e.g.
+        # max_pool2d_with_indices': imported here, not left to whatever ran before)
+        import torch._inductor.lowering  # noqa: F401
         from torch._inductor.decomposition import select_decomp_table
 
         return select_decomp_table()

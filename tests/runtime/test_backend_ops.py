@@ -1,0 +1,58 @@
+"""Ops the backend's joint met and handed to torch's AOTAutograd (whose backward is not
+differentiable, so a second order through them raised or came back None): each compiled through
+vjpgen's kernels at orders 1 and 2, against eager."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import vjpgen.runtime as rt
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+AOT = {"compiler": "aot_eager"}
+
+# interpolate's decomposition saves index lists with None for the dims taken whole
+# (_unsafe_index / _unsafe_index_put / _unsafe_masked_index*)
+INTERP = [("nearest", 4), ("nearest-exact", 4), ("bilinear", 4), ("bicubic", 4), ("linear", 3),
+          ("trilinear", 5), ("area", 4)]
+
+
+@pytest.mark.parametrize("mode,nd", INTERP, ids=[m for m, _ in INTERP])
+def test_interpolate_orders_1_and_2_through_vjpgen(mode, nd):
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, *([5] * (nd - 2)), dtype=torch.float64, requires_grad=True)
+    ac = None if mode in ("nearest", "nearest-exact", "area") else False
+    scale = 0.5 if mode == "area" else 1.7
+
+    def f(x):
+        return F.interpolate(x, scale_factor=scale, mode=mode, align_corners=ac).sin()
+
+    def grads(fn):
+        gx, = torch.autograd.grad(fn(x).pow(2).sum(), x, create_graph=True)
+        gxx, = torch.autograd.grad((gx * gx.detach()).sum(), x)
+        return gx.detach(), gxx
+
+    ref = grads(f)
+    got = grads(torch.compile(f, backend="vjpgen", options=AOT))
+    b = rt.stats()["backend"]
+    assert b["fallbacks"] == 0, b["fallback_reasons"]
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+def test_inductor_decompositions_import_the_lowering_they_read():
+    """Inductor's decomposition table reads ``torch._inductor.lowering`` at call time (max-pool's):
+    the first graph of a process traced with it failed with an AttributeError and went to
+    AOTAutograd, so which path a graph took depended on what ran before."""
+    code = (
+        "import torch, vjpgen.runtime.orders.stages as s\n"
+        "assert not hasattr(torch._inductor, 'lowering')\n"
+        "s._decompositions('inductor')\n"
+        "assert hasattr(torch._inductor, 'lowering')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
