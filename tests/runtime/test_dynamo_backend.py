@@ -470,14 +470,20 @@ def test_saved_input_changed_in_place_raises_even_as_a_new_tensor(monkeypatch):
             y.sum().backward()
 
 
-def test_fallback_to_aot_autograd_is_counted_and_matches_eager():
-    """A graph vjpgen leaves to torch's AOTAutograd (here: an output aliases an input through
-    ``as_strided``, which vjpgen does not replay) is counted with its reason; its grads are still
-    eager's."""
+def test_fallback_to_aot_autograd_is_counted_and_matches_eager(monkeypatch):
+    """A graph vjpgen leaves to torch's AOTAutograd (here: a joint made to raise
+    ``joint.Unsupported``) is counted with its reason; its grads are still eager's."""
+    from vjpgen.runtime.integrations import dynamo_backend
+    from vjpgen.runtime.orders import joint
+
+    def unsupported(*a, **k):
+        raise joint.Unsupported("a joint vjpgen cannot build (test)")
+
+    monkeypatch.setattr(dynamo_backend.CompiledGraph, "build", unsupported)
     x = torch.randn(3, 4, requires_grad=True)
 
     def f(x):
-        return x.as_strided((2, 2), (1, 4)), (x * 2).sin().sum()
+        return x.as_strided((2, 2), (1, 4)) * 3, (x * 2).sin().sum()
 
     grads = []
     for fn in (f, _compiled(f)):
@@ -487,7 +493,36 @@ def test_fallback_to_aot_autograd_is_counted_and_matches_eager():
         grads.append(x.grad.clone())
     _close(grads[0], grads[1], "x.grad")
     b = _backend()
-    assert b["fallbacks"] == 1 and "output 0 aliases an input" in b["fallback_reasons"], b
+    assert b["fallbacks"] == 1 and "a joint vjpgen cannot build (test)" in b["fallback_reasons"], b
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_graph_of_views_alone_runs_as_eager(create_graph):
+    """A graph whose every output is a view of its inputs, made of view ops alone (``as_strided``,
+    ``unfold``, ``transpose`` compiled by themselves) runs as eager runs it: its outputs alias the
+    inputs with eager's view nodes, differentiable at every order; none goes to AOTAutograd."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.double, requires_grad=True)
+
+    def f(x):
+        return x.as_strided((2, 2), (1, 4)), x.unfold(1, 2, 1), x.t()
+
+    res = []
+    for fn in (f, _compiled(f)):
+        outs = fn(x)
+        res.append(outs)
+        loss = sum((o * o).sum() for o in outs)
+        (g,) = torch.autograd.grad(loss, x, create_graph=create_graph)
+        res.append(g)
+        if create_graph:
+            res.append(torch.autograd.grad((g * g).sum(), x)[0])
+    n = len(res) // 2
+    for a, b in zip(res[:n], res[n:]):
+        for u, v in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            _close(u, v, "value")
+    assert res[n][0]._base is x  # an alias of the input, as eager's
+    b = _backend()
+    assert b["fallbacks"] == 0 and b["view_only_graphs"] == 1, b
 
 
 @pytest.mark.parametrize("create_graph", [False, True])

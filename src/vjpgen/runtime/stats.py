@@ -62,6 +62,9 @@ class _Stats:
             # of those, graphs with no differentiable output that call torch.autograd.grad: their
             # grads expanded with vjpgen's kernels, compiled as one graph (diffgraph.InferenceGraph)
             "grad_inference_graphs": 0,
+            # of those, graphs whose every output is a view of the inputs, made of view ops alone: run
+            # as eager runs them (eager's view nodes are their backward, at every order)
+            "view_only_graphs": 0,
             "compiles": Counter(),  # order -> graphs compiled with a backward from vjpgen's kernels
             "fallbacks": 0,  # graphs handed to torch's AOTAutograd (vjpgen could not build the joint)
             "fallback_reasons": Counter(),  # "reason" for a graph, "order N: reason" for a vjp

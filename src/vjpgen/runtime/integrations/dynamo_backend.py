@@ -24,6 +24,7 @@ Options (``torch.compile(..., options={...})``): ``"compiler"``: ``"inductor"`` 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -98,6 +99,9 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
                 if split is None:
                     raise
                 main, views = split
+                if main is None:  # nothing but views of the inputs: eager's ops, eager's autograd
+                    b["view_only_graphs"] += 1
+                    return views[0]
                 cg = CompiledGraph.build(joint.rebinding(main[0], fake_mode), fakes, fake_mode, opts["compiler"],
                                          order=1, label="graph", patches=_mode_patches(opts), inference=True)
     except joint.Unsupported as e:
@@ -150,6 +154,20 @@ def _view_fns():
 _ATEN_SIZE_OPS = ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset")
 
 
+@functools.lru_cache(maxsize=None)
+def _aten_view_named(name) -> bool:
+    """A torch function or Tensor method named ``name`` whose aten op returns a view of its input
+    (an overload's schema aliases its result to an input without writing it: ``unfold``,
+    ``as_strided``, ``view_as_real``, ``expand_copy``'s view form...)."""
+    if not isinstance(name, str) or not name or name.startswith("__"):
+        return False
+    try:
+        packet = getattr(torch.ops.aten, name)
+        return any(getattr(packet, o).is_view for o in packet.overloads())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _aten_view_or_size(n: torch.fx.Node) -> bool:
     """An aten-level view (``aten.expand.default``: a graph traced with make_fx before dynamo saw it,
     as nequip's ``compile_mode="compile"`` does), a size query, or arithmetic on sizes."""
@@ -177,8 +195,9 @@ def _split_view_outputs(gm: torch.fx.GraphModule):
         if n not in memo:
             if n.op in ("placeholder", "get_attr"):
                 memo[n] = True
-            elif n.op == "call_function" and n.target in fns or n.op == "call_method" and n.target in _VIEW_METHODS \
-                    or _aten_view_or_size(n):
+            elif (n.op == "call_function" and (n.target in fns or _aten_view_named(getattr(n.target, "__name__", None)))
+                  or n.op == "call_method" and (n.target in _VIEW_METHODS or _aten_view_named(n.target))
+                  or _aten_view_or_size(n)):
                 memo[n] = False  # (while its inputs are read)
                 memo[n] = all(pure(a) for a in n.all_input_nodes)
             else:
@@ -186,7 +205,14 @@ def _split_view_outputs(gm: torch.fx.GraphModule):
         return memo[n]
 
     is_view = [isinstance(o, torch.fx.Node) and o.op != "placeholder" and pure(o) for o in outs]
-    if not any(is_view) or all(is_view):
+    if not any(is_view):
+        return None
+    if all(is_view):
+        # every output a view of the inputs (``x.transpose(0, 1)`` compiled alone): the graph runs
+        # as eager runs it, with eager's view nodes, when it does nothing else (no write, no op
+        # whose result no output reads)
+        if all(n.op in ("placeholder", "output") or pure(n) for n in gm.graph.nodes):
+            return None, (gm, list(range(len(outs))))
         return None
 
     main_pos = [j for j, v in enumerate(is_view) if not v]
@@ -291,7 +317,11 @@ def _guard_backward_rewrite() -> None:
     resumed after a graph break, whose only input is the loss: eager would still accumulate into
     every leaf the loss's history reaches; torch 2.11-2.15 silently skip it). For graphs compiled by
     vjpgen, that case is a graph break instead: the backward runs as eager runs it (through
-    vjpgen's backward of the graphs before it). Installed once, when the backend is loaded."""
+    vjpgen's backward of the graphs before it). Installed once, when the backend is loaded, on
+    ``TensorVariable.method_backward`` and, where dynamo dispatches through a table of handlers
+    taken at class creation (torch 2.15's ``tp_methods``), in that table: patching the method
+    alone left 2.15's whole step under ``trace_autograd_ops`` with eager's parameters never
+    updated (opt.step() saw no grads)."""
     try:
         from torch._dynamo.variables.tensor import TensorVariable
         from torch._dynamo.exc import unimplemented
@@ -322,6 +352,13 @@ def _guard_backward_rewrite() -> None:
 
     method_backward._vjpgen_guard = True
     TensorVariable.method_backward = method_backward
+    # torch 2.15 dispatches through a table of the handlers taken at class creation
+    table = getattr(TensorVariable, "tp_methods", None)
+    entry = table.get("backward") if isinstance(table, dict) else None
+    if entry is not None and getattr(entry, "handler", None) is orig:
+        import dataclasses
+
+        table["backward"] = dataclasses.replace(entry, handler=method_backward)
 
 
 _guard_backward_rewrite()
