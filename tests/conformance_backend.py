@@ -1,0 +1,206 @@
+"""The backend mode of the conformance harness (``make coverage``, ``--backend``): every OpInfo
+sample's backward through ``torch.compile(..., backend="vjpgen")``, at orders 1 and 2, against
+eager.
+
+For each OpInfo that supports autograd, its first float64 CPU sample: the op is compiled alone
+(the sample's differentiable tensors are the compiled function's inputs, the rest constants;
+``fullgraph=False``, dynamo's default settings, the inner compiler ``aot_eager``). Order 1:
+``torch.autograd.grad(outputs, inputs, cotangents, create_graph=True)`` with random cotangents;
+order 2: ``torch.autograd.grad`` of those grads (random cotangents) with respect to the inputs.
+Both are compared with eager's grads of the same order (``torch.testing.assert_close``; an
+undefined grad equals zeros).
+
+Each sample also records where its graphs went: through vjpgen's joint, or to torch's AOTAutograd
+(``stats()["backend"]["fallbacks"]``, with the reason vjpgen gave). A sample is one op's result.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import torch
+
+from tests.conformance import _close, _samples, cpu_manual_seed
+from vjpgen.codegen.verify import MISMATCHED, PASSED, RAISED, UNSUPPORTED, _flatten, _short, autograd_ops
+
+FALLBACK = "fallback"  # a graph of the sample went to torch's AOTAutograd
+NO_GRAPH = "no graph"  # dynamo compiled nothing with a backward (a graph break around the whole op)
+
+
+def _split(s):
+    """(differentiable leaves, rebuild(leaves) -> (input, args, kwargs)) of a sample."""
+    flat = []
+
+    def mark(x):
+        if isinstance(x, torch.Tensor) and x.requires_grad and x.layout == torch.strided:
+            flat.append(x)
+            return ("__leaf__", len(flat) - 1)
+        if isinstance(x, (list, tuple)):
+            return type(x)(mark(y) for y in x)
+        if isinstance(x, dict):
+            return {k: mark(v) for k, v in x.items()}
+        return x
+
+    tmpl = mark((s.input, tuple(s.args), dict(s.kwargs)))
+
+    def rebuild(leaves):
+        def fill(x):
+            if isinstance(x, tuple) and len(x) == 2 and x[0] == "__leaf__":
+                return leaves[x[1]]
+            if isinstance(x, (list, tuple)):
+                return type(x)(fill(y) for y in x)
+            if isinstance(x, dict):
+                return {k: fill(v) for k, v in x.items()}
+            return x
+
+        return fill(tmpl)
+
+    return flat, rebuild
+
+
+def _outputs(out):
+    return [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+            and t.layout == torch.strided and (t.dtype.is_floating_point or t.dtype.is_complex)]
+
+
+def _orders(fn, leaves, gen_seed: int):
+    """(order-1 grads, order-2 grads) of ``fn(*leaves)``'s differentiable outputs."""
+    gen = torch.Generator().manual_seed(gen_seed)
+    torch.manual_seed(0)
+    outs = _outputs(fn(*leaves))
+    if not outs:
+        return None, None
+    cts = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outs]
+    g1 = torch.autograd.grad(outs, leaves, cts, create_graph=True, allow_unused=True)
+    diff = [g for g in g1 if g is not None and g.requires_grad]
+    if not diff:
+        return g1, None
+    cts2 = [torch.randn(g.shape, dtype=g.dtype, generator=gen) for g in diff]
+    g2 = torch.autograd.grad(diff, leaves, cts2, allow_unused=True)
+    return g1, g2
+
+
+def check_backend_sample(op, s, compiler="aot_eager"):
+    """(status, reason, fallback reasons) of one sample."""
+    import vjpgen.runtime as rt
+
+    leaves, rebuild = _split(s)
+    if not leaves:
+        return None
+    base = [t.detach() for t in leaves]
+
+    def call(*ls):
+        inp, args, kwargs = rebuild(ls)
+        return op(inp, *args, **kwargs)
+
+    def fresh():
+        return [t.clone().requires_grad_() for t in base]
+
+    try:
+        e1, e2 = _orders(call, fresh(), 0)
+    except Exception as ex:
+        return UNSUPPORTED, f"eager raised {_short(ex)}", []
+    if e1 is None:
+        return None
+    torch._dynamo.reset()
+    rt.reset_stats()
+    compiled = torch.compile(call, backend="vjpgen", options={"compiler": compiler})
+    try:
+        v1, v2 = _orders(compiled, fresh(), 0)
+    except Exception as ex:
+        status, reason = RAISED, _short(ex)
+    else:
+        status, reason = PASSED, ""
+        for j, (a, b) in enumerate(zip(v1, e1)):
+            r = _close(a, b, f"order 1, input {j}")
+            if r:
+                status, reason = MISMATCHED, r
+                break
+        if status == PASSED and e2 is not None:
+            if v2 is None:
+                status, reason = MISMATCHED, "order 2: vjpgen's order-1 grads do not require grad"
+            else:
+                for j, (a, b) in enumerate(zip(v2, e2)):
+                    r = _close(a, b, f"order 2, input {j}")
+                    if r:
+                        status, reason = MISMATCHED, r
+                        break
+    b = rt.stats()["backend"]
+    fallbacks = list(b["fallback_reasons"])
+    if status == PASSED and b["graphs"] == 0:
+        status, reason = NO_GRAPH, "dynamo compiled no graph"
+    if status == PASSED and fallbacks:
+        status, reason = FALLBACK, "; ".join(fallbacks)
+    return status, reason, fallbacks
+
+
+@cpu_manual_seed()
+def run_backend(op_names=None, dtypes=("float64",), max_samples=1, log=None):
+    """{op label: Counter of statuses}, {op label: [reasons]}, Counter of fallback reasons."""
+    results: dict = collections.defaultdict(collections.Counter)
+    reasons: dict = collections.defaultdict(list)
+    fallback_reasons = collections.Counter()
+    for op, label in autograd_ops(op_names):
+        for dname, s in _samples(op, dtypes, max_samples):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    r = check_backend_sample(op, s)
+                except Exception as ex:  # the harness's own failure on a sample: counted, not hidden
+                    r = RAISED, f"harness: {_short(ex)}", []
+            if r is None:
+                continue
+            status, reason, fbs = r
+            results[label][status] += 1
+            if reason:
+                reasons[label].append(f"{status}: {reason}")
+            fallback_reasons.update(fbs)
+            if log and status not in (PASSED,):
+                log(f"{status:10} {label} {dname}: {reason[:300]}")
+    torch._dynamo.reset()
+    return dict(results), dict(reasons), fallback_reasons
+
+
+def backend_report_lines(results, reasons, fallback_reasons, seconds: float, max_samples: int) -> list[str]:
+    """The REPORT.md section of the backend mode."""
+    tot = collections.Counter()
+    for c in results.values():
+        tot.update(c)
+    lines = [
+        "",
+        "## Backend: `torch.compile(..., backend=\"vjpgen\")`, orders 1 and 2, vs eager",
+        "",
+        f"`make coverage` (`--backend`, {seconds:.0f} s): the first {max_samples} float64 CPU sample(s) of every "
+        "OpInfo that supports autograd, the op compiled alone (its differentiable tensors the inputs; default "
+        "dynamo settings; inner compiler `aot_eager`). Order 1: `torch.autograd.grad(outputs, inputs, cotangents, "
+        "create_graph=True)`; order 2: the grad of those grads. Each against eager's grads of the same order "
+        "(`torch.testing.assert_close`; an undefined grad equals zeros). A sample whose graph went to torch's "
+        "AOTAutograd is a fallback (with vjpgen's reason), whatever its values.",
+        "",
+        "| samples | passed | mismatched | raised | fallback to AOTAutograd | no graph compiled | eager raised (no oracle) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| {sum(tot.values())} | {tot[PASSED]} | {tot[MISMATCHED]} | {tot[RAISED]} | {tot[FALLBACK]} | "
+        f"{tot[NO_GRAPH]} | {tot[UNSUPPORTED]} |",
+        "",
+        "Fallback reasons (graphs):",
+        "",
+        "| reason | graphs |",
+        "| --- | --- |",
+    ]
+    for k, n in fallback_reasons.most_common():
+        lines.append(f"| {k.replace('|', chr(92) + '|')[:240]} | {n} |")
+    lines += [
+        "",
+        "Ops with another result than passed:",
+        "",
+        "| op | samples | result | reason |",
+        "| --- | --- | --- | --- |",
+    ]
+    for label, c in sorted(results.items()):
+        if c[PASSED] == sum(c.values()):
+            continue
+        st = ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+        why = next((r for r in reasons.get(label, ()) if not r.startswith(PASSED)), "")
+        lines.append(f"| {label} | {sum(c.values())} | {st} | {why.replace('|', chr(92) + '|')[:240]} |")
+    return lines
