@@ -56,3 +56,60 @@ def test_inductor_decompositions_import_the_lowering_they_read():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# linalg ops that check their info result (aten::_linalg_check_errors, an effectful op: the joint's
+# functionalized trace had no token for it)
+LINALG = {
+    "inv": lambda a, b: torch.linalg.inv(a),
+    "solve": lambda a, b: torch.linalg.solve(a, b),
+    "cholesky": lambda a, b: torch.linalg.cholesky(a),
+    "lu_factor": lambda a, b: torch.linalg.lu_factor(a)[0],
+    "tensorinv": lambda a, b: torch.linalg.tensorinv(a.reshape(2, 2, 4), ind=2),
+    "tensorsolve": lambda a, b: torch.linalg.tensorsolve(a.reshape(2, 2, 4), b.reshape(2, 2)),
+}
+
+
+def _spd(n=4):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=g, dtype=torch.float64)
+    return (a @ a.T + n * torch.eye(n, dtype=torch.float64)).requires_grad_(), \
+        torch.randn(n, generator=g, dtype=torch.float64).requires_grad_()
+
+
+@pytest.mark.parametrize("name", list(LINALG))
+def test_linalg_with_error_checks_orders_1_and_2_through_vjpgen(name):
+    op = LINALG[name]
+
+    def f(a, b):
+        return op(a, b).sin().sum()
+
+    a, b = _spd()
+
+    def grads(fn):
+        g = torch.autograd.grad(fn(a, b), (a, b), create_graph=True, allow_unused=True)
+        g = [torch.zeros_like(x) if y is None else y for x, y in zip((a, b), g)]
+        gg = torch.autograd.grad(sum((y * y).sum() for y in g if y.requires_grad), (a, b), allow_unused=True)
+        return [y.detach() for y in g] + [torch.zeros_like(x) if y is None else y for x, y in zip((a, b), gg)]
+
+    ref = grads(f)
+    got = grads(torch.compile(f, backend="vjpgen", options=AOT))
+    bk = rt.stats()["backend"]
+    assert bk["fallbacks"] == 0, bk["fallback_reasons"]
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
+
+
+def test_linalg_error_check_kept_in_the_compiled_graph():
+    """The check runs where eager runs it: a singular input raises eager's error from the
+    compiled forward (never a silent inf)."""
+    f = lambda a: torch.linalg.inv(a).sum()  # noqa: E731
+    g = torch.compile(f, backend="vjpgen", options=AOT)
+    a, _ = _spd()
+    g(a)  # compiled for this structure
+    singular = torch.zeros(4, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(torch.linalg.LinAlgError, match="linalg.inv"):
+        f(singular)
+    with pytest.raises(torch.linalg.LinAlgError, match="linalg.inv"):
+        g(singular)
+    assert rt.stats()["backend"]["fallbacks"] == 0

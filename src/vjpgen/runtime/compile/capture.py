@@ -894,8 +894,9 @@ def _compile_graph(gm: torch.fx.GraphModule, fake_args, backend, patches=None, i
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        from . import extern_ops, inductor_fixes
+        from . import effects, extern_ops, inductor_fixes
 
+        effects.register_lowerings()
         extern_ops.route(gm)
         hoist_reductions(gm)
 

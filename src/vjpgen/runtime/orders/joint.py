@@ -26,6 +26,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..compile import effects
 from ..execute import executor, graph_task, leaves, region_fn, region_key, scatter
 from ..graph import walk
 from ... import native
@@ -385,7 +386,7 @@ def analyze(fn, fakes, fake_mode, max_ops: int | None = None) -> JointMeta:
     # raise on it (AOTAutograd's metadata pass suppresses them the same way)
     shape_env = fake_mode.shape_env
     suppress = shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()
-    with fake_mode, FunctionalTensorMode(), suppress:
+    with fake_mode, FunctionalTensorMode(), effects.tracing(), suppress:
         fargs = [to_fun(f) for f in fakes]
         in_storage = {}
         for i, a in enumerate(fargs):
@@ -477,7 +478,7 @@ def trace_joint(fn, fakes, fake_mode, meta: JointMeta, decompositions=None) -> t
     diff = meta.diff_outputs
 
     def joint(primals, tangents):
-        with FunctionalTensorMode():
+        with FunctionalTensorMode(), effects.tracing():
             fp = [to_fun(p) for p in primals]
             ft = [to_fun(t) for t in tangents]
             with torch.enable_grad():
