@@ -50,3 +50,30 @@ def test_a_bad_bound_is_one_clear_error(value, monkeypatch):
     monkeypatch.setenv("VJPGEN_MAX_PLANS", value)
     with pytest.raises(ValueError, match="VJPGEN_MAX_PLANS"):
         api._max_plans()
+
+
+def test_fx_sources_of_evicted_plans_are_dropped(monkeypatch):
+    """torch.fx keeps the source of every GraphModule it generated code for (its ``_loader`` and
+    ``linecache``) after the module is freed: past the plan bound each new structure grew the
+    process by a few KB. The plan cache purges the entries of code no live function runs."""
+    from torch.fx.graph_module import _loader
+
+    from vjpgen.runtime.compile import fx_sources
+
+    monkeypatch.setattr(api._PLANS, "maxsize", 4)
+    monkeypatch.setattr(fx_sources, "EVERY", 8)
+    rt.clear_cache()
+    rt.reset_stats()
+    x = torch.randn(4, dtype=torch.double, requires_grad=True)
+    sizes = []
+    for k in range(1, 61):
+        rt.backward(_chain(x, k), backend="eager")
+        sizes.append(len(_loader.eval_cache))
+    assert rt.stats()["plan_evictions"] == 56
+    # bounded: what 4 plans and 8 evictions' worth of modules hold, not 60 structures' worth
+    assert sizes[-1] < sizes[20] + 16, sizes
+    # a live module keeps its source (tracebacks through it still show their lines)
+    gm = torch.fx.symbolic_trace(lambda t: t.sin())
+    key = type(gm).forward.__code__.co_filename
+    fx_sources.purge()
+    assert key in _loader.eval_cache

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import torch
 
-from .compile import capture
+from .compile import capture, fx_sources
 from .plan import decide, kernels
 from .orders import higher_order, stages
 from .execute import call_context, executor, first_order, graph_task, leaves, region_fn
@@ -54,6 +54,8 @@ class _PlanCache:
         while len(self._d) > self.maxsize:
             self._d.popitem(last=False)
             STATS.plan_evictions += 1
+            if STATS.plan_evictions % fx_sources.EVERY == 0:  # (torch.fx keeps every module's source)
+                fx_sources.purge()
 
     def __len__(self) -> int:
         return len(self._d)
