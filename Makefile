@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the torch release generated/ is for (pyproject.toml admits every supported release)
 DEV_TORCH := 2.13.0
 
-.PHONY: install generate check-generated test test-autograd test-torch tt-venv port-start demo demo-ddp bench bench-deps bench-generate gpu-check gpu-wheels coverage clean
+.PHONY: install generate check-generated test test-autograd test-torch test-matrix tt-venv port-start demo demo-ddp bench bench-deps bench-generate gpu-check gpu-wheels coverage clean
 
 install: $(STAMP)
 
@@ -42,7 +42,8 @@ test-autograd: $(STAMP)
 # with that torch from the package index (a CUDA build on Linux, ~5 GB), vjpgen installed into it
 # (which must keep that torch), the package regenerated for it in vjpgen's cache and verified
 # against its live nodes, the op_db conformance (random values, edge values, compiled autograd),
-# the native helper, then the demo. generated/ and .venv are not touched. This machine's pip
+# the native helper, the behavioural tests against eager (TT_BEHAVIOUR), then the demo.
+# make test-matrix TORCH=2.15.0: the same venv, the structure and semantics matrices alone. generated/ and .venv are not touched. This machine's pip
 # configuration caps torch through a constraints file; PIP_CONSTRAINT=/dev/null lifts it for these
 # throwaway venvs' pip commands only.
 TORCH ?=
@@ -58,11 +59,22 @@ tt-venv:
 	$(TT_PIP) install --quiet -e '.[test]'
 	$(TT_PY) -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$(TORCH)' else f'installing vjpgen replaced torch $(TORCH) with {v}')"
 
+# the behaviour on that release: the structure and semantics matrices and the entry contract
+# against eager, the backend (its ops, its limits), the fused optimizer, TorchScript, distributed
+TT_BEHAVIOUR := tests/runtime/test_structures.py tests/runtime/test_semantics_matrix.py \
+  tests/runtime/test_entry_contract.py tests/runtime/test_dynamo_backend.py tests/runtime/test_backend_ops.py \
+  tests/runtime/test_fused_optim.py tests/runtime/test_torchscript.py tests/distributed/test_backend_distributed.py
+# the matrices alone (CI runs them on the current release, TORCH=2.15.0, from a venv kept in /tmp)
+TT_MATRIX := tests/runtime/test_structures.py tests/runtime/test_semantics_matrix.py
+TT_PYTEST := $(TT_PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test-torch: tt-venv
 	$(TT_PY) -m tests.release_check $(RELEASE_CHECK_ARGS)
-	$(TT_PY) -m pytest -q -p no:cacheprovider tests/runtime/test_dynamo_backend.py tests/runtime/test_fused_optim.py \
-	  tests/runtime/test_torchscript.py tests/distributed/test_backend_distributed.py
+	$(TT_PYTEST) $(TT_BEHAVIOUR)
 	$(TT_PY) -m examples.demo
+
+test-matrix: tt-venv
+	$(TT_PYTEST) $(TT_MATRIX)
 
 # make port-start TORCH=2.16.0: start porting a new release (docs/releases.md): its throwaway venv,
 # the new and changed formulas and the new and re-signatured helpers since the last ported release
