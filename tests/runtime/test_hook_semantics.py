@@ -168,3 +168,45 @@ def test_the_scenarios_are_not_vacuous():
 )
 def test_hook_scenario_matches_eager_under_inductor(scenario):
     _check(scenario, backend="inductor")
+
+
+def _module_hook_calls(ctx, where, loss_has_energy):
+    """Full backward hooks on a forces model's modules through a create_graph step."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    calls = []
+
+    def hook(name):
+        def h(mod, gi, go):
+            calls.append((name, [None if g is None else round(g.abs().sum().item(), 9) for g in go],
+                          [None if g is None else round(g.abs().sum().item(), 9) for g in gi]))
+        return h
+
+    targets = {"whole": [m], "layers": list(m), "tanh": [m[1]]}[where]
+    for k, t in enumerate(targets):
+        t.register_full_backward_hook(hook(f"h{k}"))
+    x = torch.randn(5, 3, dtype=torch.double, requires_grad=True)
+    with ctx():
+        e = m(x).sum()
+        (g,) = torch.autograd.grad(e, x, create_graph=True)
+        calls.append("second backward")
+        ((g ** 2).sum() + (e ** 2 if loss_has_energy else 0)).backward()
+    return calls, [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("loss_has_energy", [False, True])
+@pytest.mark.parametrize("where", ["whole", "layers", "tanh"])
+def test_module_full_backward_hooks_in_a_create_graph_step_as_eager(where, loss_has_energy):
+    """A module's full backward hook runs where eager runs it in the second backward of a
+    create_graph step: a create_graph region's node had an edge to a module output only a grad it
+    was not asked for reads (Linear's weight grad reads the Tanh output), and the later backward ran
+    that module's hook once more with grad_output [None]."""
+    import contextlib
+
+    ref, ref_g = _module_hook_calls(contextlib.nullcontext, where, loss_has_energy)
+    got, got_g = _module_hook_calls(lambda: rt.compiled_autograd("aot_eager"), where, loss_has_energy)
+    assert got == ref
+    for a, b in zip(got_g, ref_g):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

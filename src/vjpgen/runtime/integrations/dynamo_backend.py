@@ -134,6 +134,8 @@ _VIEW_METHODS = frozenset({
     "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "t", "detach", "alias", "__getitem__",
     "unbind", "split", "chunk", "diagonal", "movedim", "swapaxes", "swapdims", "real", "imag", "mT", "T",
     "size", "dim", "numel", "stride",
+    # views whose aten schema does not say so (a list of views, or the input itself)
+    "broadcast_tensors", "meshgrid", "atleast_1d", "atleast_2d", "atleast_3d",
 })
 
 

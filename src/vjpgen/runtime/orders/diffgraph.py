@@ -186,6 +186,12 @@ class CompiledGraph:
         # depends only on tangents that are undefined on a call is undefined, as in eager)
         self.fw_deps = tuple(halves.deps[:len(meta.out_kinds)])
         self.bw_deps = tuple(frozenset(t - n for t in d if t >= n) for d in halves.deps[n_fw:n_fw + n])
+        # the inputs no differentiable output depends on (a create_graph region's saved value that
+        # only a grad it was not asked for reads): passed to GraphFn detached, so its node has no
+        # edge to their history, as eager's graph has none (an edge to a module's output would run
+        # that module's backward hooks in a later backward where eager does not)
+        read = frozenset().union(*(self.fw_deps[j] for j in meta.diff_outputs)) if meta.diff_outputs else frozenset()
+        self.unread_inputs = tuple(i for i in range(n) if i not in read and i not in set(meta.mutated))
 
     def __eq__(self, other):
         return isinstance(other, CompiledGraph) and other.family is self.family
@@ -203,7 +209,7 @@ class CompiledGraph:
 
         def run(*args):
             box: list = []
-            outs = GraphFn.apply(self, box, *args)
+            outs = GraphFn.apply(self, box, *self._detach_unread(args))
             if not isinstance(outs, tuple):
                 outs = (outs,)
             if mutated:
@@ -219,10 +225,21 @@ class CompiledGraph:
         """Outputs of this graph for ``args`` (differentiable where an input requires grad)."""
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             box: list = []
-            outs = GraphFn.apply(self, box, *args)
+            outs = GraphFn.apply(self, box, *self._detach_unread(args))
             return outs if isinstance(outs, tuple) else (outs,)
         n = len(self.meta.out_kinds)
         return tuple(self.fw(list(args))[:n])
+
+    def _detach_unread(self, args):
+        """``args`` with the inputs no differentiable output reads detached (see __init__)."""
+        if not self.unread_inputs:
+            return args
+        args = list(args)
+        for i in self.unread_inputs:
+            a = args[i]
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                args[i] = a.detach()
+        return args
 
     def bw_inputs(self, tensors, others, tangents) -> list:
         """The backward graph's arguments from the saved tensors, the other saved values (sizes)
