@@ -91,6 +91,7 @@ demo-ddp: $(STAMP) generate
 
 coverage: $(STAMP)
 	$(PY) -m tests.conformance --out coverage --compiled-autograd --edges --edge-max-samples 2 --higher-order
+	$(PY) -m tests.conformance_backend --out coverage
 
 bench-generate: $(STAMP)
 	$(PY) bench/bench_generate.py

@@ -606,9 +606,6 @@ def main(argv=None) -> int:
     p.add_argument("--ho-max-samples", type=int, default=1)
     p.add_argument("--ho-third-order-ops", nargs="*", default=None,
                    help="OpInfos also checked at order 3 (default: all)")
-    p.add_argument("--backend", action="store_true",
-                   help="also run the backend mode (torch.compile(backend='vjpgen'), orders 1 and 2, vs eager)")
-    p.add_argument("--backend-max-samples", type=int, default=1)
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     t0 = time.time()
@@ -648,22 +645,6 @@ def main(argv=None) -> int:
         }}
         bad = sum(r.counts[MISMATCHED] + r.counts[RAISED] for r in ho_results.values())
         print(json.dumps({"higher_order_classes": len(ho_results), "mismatched_or_raised": bad}))
-    if a.backend:
-        from tests.conformance_backend import FALLBACK as B_FALLBACK, backend_report_lines, run_backend
-
-        t1 = time.time()
-        b_results, b_reasons, b_fallbacks = run_backend(a.ops, ("float64",), a.backend_max_samples, log)
-        extra = (extra or []) + backend_report_lines(b_results, b_reasons, b_fallbacks, time.time() - t1,
-                                                     a.backend_max_samples)
-        extra_json = {**(extra_json or {}), "backend": {
-            "ops": {k: dict(c) for k, c in sorted(b_results.items())},
-            "fallback_reasons": dict(b_fallbacks),
-        }}
-        tot = collections.Counter()
-        for c in b_results.values():
-            tot.update(c)
-        print(json.dumps({"backend_samples": sum(tot.values()), "mismatched": tot[MISMATCHED],
-                          "raised": tot[RAISED], "fallbacks": tot[B_FALLBACK]}))
     summary = write_report(results, errs, a.out, seconds, edge, extra, extra_json)
     if edge is not None:
         summary = {"base": summary, "edge": summarize(edge["results"])}

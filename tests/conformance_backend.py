@@ -1,6 +1,6 @@
-"""The backend mode of the conformance harness (``make coverage``, ``--backend``): every OpInfo
-sample's backward through ``torch.compile(..., backend="vjpgen")``, at orders 1 and 2, against
-eager.
+"""The backend mode of the conformance harness (``python -m tests.conformance_backend``, run by
+``make coverage``): every OpInfo sample's backward through ``torch.compile(..., backend="vjpgen")``,
+at orders 1 and 2, against eager; ``coverage/backend.md`` and ``backend.json``.
 
 For each OpInfo that supports autograd, its first float64 CPU sample: the op is compiled alone
 (the sample's differentiable tensors are the compiled function's inputs, the rest constants;
@@ -17,6 +17,7 @@ Each sample also records where its graphs went: through vjpgen's joint, or to to
 from __future__ import annotations
 
 import collections
+import logging
 import warnings
 
 import torch
@@ -112,6 +113,9 @@ def check_backend_sample(op, s, compiler="aot_eager"):
         status, reason = RAISED, _short(ex)
     else:
         status, reason = PASSED, ""
+    if status == PASSED and v1 is None:
+        status, reason = MISMATCHED, "order 1: vjpgen's outputs have no autograd history where eager's have"
+    if status == PASSED:
         for j, (a, b) in enumerate(zip(v1, e1)):
             r = _close(a, b, f"order 1, input {j}")
             if r:
@@ -135,12 +139,38 @@ def check_backend_sample(op, s, compiler="aot_eager"):
     return status, reason, fallbacks
 
 
+class _PleaseReport(logging.Handler):
+    """The vjpgen warnings that ask to be reported (a failure vjpgen does not know as a limit)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "please report" in msg:
+            self.messages.append(msg)
+
+
 @cpu_manual_seed()
 def run_backend(op_names=None, dtypes=("float64",), max_samples=1, log=None):
-    """{op label: Counter of statuses}, {op label: [reasons]}, Counter of fallback reasons."""
+    """{op label: Counter of statuses}, {op label: [reasons]}, Counter of fallback reasons; the
+    "please report it" warnings vjpgen logged are counted as fallback reasons under
+    ``please report: ...``."""
     results: dict = collections.defaultdict(collections.Counter)
     reasons: dict = collections.defaultdict(list)
     fallback_reasons = collections.Counter()
+    watcher = _PleaseReport()
+    logging.getLogger("vjpgen").addHandler(watcher)
+    try:
+        _run_backend(op_names, dtypes, max_samples, log, results, reasons, fallback_reasons, watcher)
+    finally:
+        logging.getLogger("vjpgen").removeHandler(watcher)
+    torch._dynamo.reset()
+    return dict(results), dict(reasons), fallback_reasons
+
+
+def _run_backend(op_names, dtypes, max_samples, log, results, reasons, fallback_reasons, watcher):
     for op, label in autograd_ops(op_names):
         for dname, s in _samples(op, dtypes, max_samples):
             with warnings.catch_warnings():
@@ -156,10 +186,11 @@ def run_backend(op_names=None, dtypes=("float64",), max_samples=1, log=None):
             if reason:
                 reasons[label].append(f"{status}: {reason}")
             fallback_reasons.update(fbs)
+            for msg in watcher.messages:
+                fallback_reasons[f"please report: {label}: {msg[:200]}"] += 1
+            watcher.messages.clear()
             if log and status not in (PASSED,):
                 log(f"{status:10} {label} {dname}: {reason[:300]}")
-    torch._dynamo.reset()
-    return dict(results), dict(reasons), fallback_reasons
 
 
 def backend_report_lines(results, reasons, fallback_reasons, seconds: float, max_samples: int) -> list[str]:
@@ -204,3 +235,39 @@ def backend_report_lines(results, reasons, fallback_reasons, seconds: float, max
         why = next((r for r in reasons.get(label, ()) if not r.startswith(PASSED)), "")
         lines.append(f"| {label} | {sum(c.values())} | {st} | {why.replace('|', chr(92) + '|')[:240]} |")
     return lines
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+    import sys
+    import time
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("coverage"))
+    p.add_argument("--ops", nargs="*", help="OpInfo names to run (default: all)")
+    p.add_argument("--max-samples", type=int, default=1)
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    log = (lambda s: print(s, file=sys.stderr)) if a.verbose else None
+    t0 = time.time()
+    results, reasons, fallbacks = run_backend(a.ops, ("float64",), a.max_samples, log)
+    lines = backend_report_lines(results, reasons, fallbacks, time.time() - t0, a.max_samples)
+    a.out.mkdir(parents=True, exist_ok=True)
+    head = ["# Backend conformance (`python -m tests.conformance_backend`, run by `make coverage`)", "",
+            f"torch {torch.__version__}."]
+    (a.out / "backend.md").write_text("\n".join(head + lines[1:]) + "\n")
+    tot = collections.Counter()
+    for c in results.values():
+        tot.update(c)
+    summary = {"samples": sum(tot.values()), **{k: tot[k] for k in (PASSED, MISMATCHED, RAISED, FALLBACK, NO_GRAPH,
+                                                                     UNSUPPORTED)}}
+    (a.out / "backend.json").write_text(json.dumps({"summary": summary, "ops": {k: dict(c) for k, c in sorted(
+        results.items())}, "fallback_reasons": dict(fallbacks)}, indent=1) + "\n")
+    print(json.dumps(summary))
+    return 1 if tot[MISMATCHED] or tot[RAISED] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -329,13 +329,23 @@ def restoring_global_state():
         raise
 
 
-def not_implemented_upstream(e: BaseException) -> bool:
-    """``e`` (or the error a node's trace wraps) is a derivative torch does not implement
-    (``not_implemented("_cdist_backward")``): a known limit, not a vjpgen bug to report."""
+def known_limit(e: BaseException) -> bool:
+    """``e`` (or the error a node's trace wraps) is a known limit of compiling a formula, not a
+    vjpgen bug to report: a derivative torch does not implement (``not_implemented(
+    "_cdist_backward")``: eager raises it too, where it reaches that derivative); a formula that
+    reads its values (prod's two-zeros check, ``linalg_eig_backward``'s ``allclose``: the runtime
+    runs those nodes live); a formula that differentiates inside itself
+    (``grid_sampler_2d_double_backward``: torch.func-wrapped tensors without an autograd node)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
     for _ in range(8):  # (a short chain: the node's error, what it wraps)
         if e is None:
             break
         if isinstance(e, NotImplementedError) and "is not implemented" in str(e):
+            return True
+        if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException, Unsupported)):
+            return True
+        if type(e).__name__ == "GuardOnDataDependentSymNode":
             return True
         e = getattr(e, "exc", None) or e.__cause__
     return False
