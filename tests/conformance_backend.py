@@ -202,19 +202,21 @@ def backend_report_lines(results, reasons, fallback_reasons, seconds: float, max
         "",
         "## Backend: `torch.compile(..., backend=\"vjpgen\")`, orders 1 and 2, vs eager",
         "",
-        f"`make coverage` (`--backend`, {seconds:.0f} s): the first {max_samples} float64 CPU sample(s) of every "
+        f"`python -m tests.conformance_backend` (run by `make coverage`; {seconds:.0f} s): the first {max_samples} "
+        "float64 CPU sample(s) of every "
         "OpInfo that supports autograd, the op compiled alone (its differentiable tensors the inputs; default "
         "dynamo settings; inner compiler `aot_eager`). Order 1: `torch.autograd.grad(outputs, inputs, cotangents, "
         "create_graph=True)`; order 2: the grad of those grads. Each against eager's grads of the same order "
         "(`torch.testing.assert_close`; an undefined grad equals zeros). A sample whose graph went to torch's "
-        "AOTAutograd is a fallback (with vjpgen's reason), whatever its values.",
+        "AOTAutograd, or that had one derivative order run uncompiled (vjpgen's kernels on the real tensors, "
+        "recorded by autograd: eager's values), is a fallback with vjpgen's reason, whatever its values.",
         "",
-        "| samples | passed | mismatched | raised | fallback to AOTAutograd | no graph compiled | eager raised (no oracle) |",
+        "| samples | passed | mismatched | raised | fallback (AOTAutograd, or an order uncompiled) | no graph compiled | eager raised (no oracle) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
         f"| {sum(tot.values())} | {tot[PASSED]} | {tot[MISMATCHED]} | {tot[RAISED]} | {tot[FALLBACK]} | "
         f"{tot[NO_GRAPH]} | {tot[UNSUPPORTED]} |",
         "",
-        "Fallback reasons (graphs):",
+        "Fallback reasons (graphs; `order 2: ...`: that order ran uncompiled, eager's values):",
         "",
         "| reason | graphs |",
         "| --- | --- |",

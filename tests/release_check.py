@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from vjpgen import generated
     from vjpgen.codegen.environment import installed_torch_version
-    from vjpgen import native, versions
+    from vjpgen import native
+    from vjpgen.codegen import versions
     from vjpgen.codegen.verify import ALLOWED, MISMATCHED, RAISED
 
     from tests.conformance import run, run_compiled_autograd, run_edges, summarize
