@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # the torch release generated/ is for (pyproject.toml admits every supported release)
 DEV_TORCH := 2.13.0
 
-.PHONY: install generate check-generated test test-autograd test-torch test-matrix tt-venv port-start demo demo-ddp bench bench-deps bench-generate gpu-check gpu-wheels coverage clean
+.PHONY: install generate check-generated test test-extra test-autograd test-torch test-matrix tt-venv port-start demo demo-ddp bench bench-deps bench-generate gpu-check gpu-wheels coverage clean
 
 install: $(STAMP)
 
@@ -25,9 +25,15 @@ check-generated: $(STAMP)
 
 # two xdist workers (this machine has 2 cores), a test file per unit (its module-scoped fixtures
 # run once), the slowest files first (tests/conftest.py). TEST_WORKERS=0 runs them in one process.
+# Cases marked `extra` (the bench scripts' smoke runs) are left to `make test-extra`, which CI runs
+# after `make test`: `make test` stays under five minutes on this machine.
 TEST_WORKERS ?= 2
+PYTEST_N := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: $(STAMP)
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+	$(PY) -m pytest -q -m "not extra" $(PYTEST_N)
+
+test-extra: $(STAMP)
+	$(PY) -m pytest -q -m extra $(PYTEST_N)
 
 # make test-autograd TEST_AUTOGRAD=/path/to/test_autograd.py: PyTorch's own autograd tests (a local
 # copy of the public file for the installed torch's release, not committed) run in eager and with

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# ~75 s of three processes at a time: `make test-extra` (CI runs it after `make test`)
+pytestmark = pytest.mark.extra
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 RESULTS = BENCH / "results"
