@@ -268,3 +268,34 @@ def test_trace_leaves_no_fake_in_the_callers_saved_tensor_hooks():
     with rt.compiled_autograd("aot_eager"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _grad_inside(x)
     assert packed and all(t is torch.Tensor for t in packed), packed
+
+
+def test_checkpoint_inside_a_compiled_forces_model_compiles_order_2(fresh_dynamo):
+    """A forces model with a checkpointed block, compiled with the backend: its order-2 vjp is
+    traced by vjpgen (it ran uncompiled, with 'please report it': the trace's grad-mode fakes met
+    the checkpoint's hooks, "Trying to backward an extra time ... selective activation
+    checkpoint"), and the step's grads are eager's."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+
+    def fwd(pos):
+        e = cp.checkpoint(net, pos, use_reentrant=False).sum()
+        (f,) = torch.autograd.grad(e, pos, create_graph=True)
+        return e, f
+
+    def step(fn, pos):
+        for p in net.parameters():
+            p.grad = None
+        e, f = fn(pos)
+        (f.pow(2).sum() + e).backward()
+        return [p.grad.clone() for p in net.parameters()]
+
+    pos = torch.randn(5, 3, dtype=torch.double, requires_grad=True)
+    ref = step(fwd, pos)
+    compiled = torch.compile(fwd, backend="vjpgen", options={"compiler": "aot_eager"})
+    for _ in range(2):
+        got = step(compiled, pos)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    b = rt.stats()["backend"]
+    assert b["fallbacks"] == 0 and b["uncompiled_vjp_calls"] == 0 and b["compiles"][2] == 1, b
