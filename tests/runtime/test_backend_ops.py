@@ -15,6 +15,24 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 AOT = {"compiler": "aot_eager"}
 
+def _orders_1_and_2(fn, xs):
+    """Order-1 grads of the scalar ``fn(*xs)`` and the grads of their squared sum (zeros for an
+    unused input)."""
+    g = torch.autograd.grad(fn(*xs), xs, create_graph=True, allow_unused=True)
+    g = [torch.zeros_like(x) if y is None else y for x, y in zip(xs, g)]
+    gg = torch.autograd.grad(sum((y * y).sum() for y in g if y.requires_grad), xs, allow_unused=True)
+    return [y.detach() for y in g] + [torch.zeros_like(x) if y is None else y for x, y in zip(xs, gg)]
+
+
+def _assert_orders_1_and_2_through_vjpgen(fn, xs):
+    ref = _orders_1_and_2(fn, xs)
+    got = _orders_1_and_2(torch.compile(fn, backend="vjpgen", options=AOT), xs)
+    b = rt.stats()["backend"]
+    assert b["fallbacks"] == 0, b["fallback_reasons"]
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
+
+
 # interpolate's decomposition saves index lists with None for the dims taken whole
 # (_unsafe_index / _unsafe_index_put / _unsafe_masked_index*)
 INTERP = [("nearest", 4), ("nearest-exact", 4), ("bilinear", 4), ("bicubic", 4), ("linear", 3),
@@ -31,17 +49,7 @@ def test_interpolate_orders_1_and_2_through_vjpgen(mode, nd):
     def f(x):
         return F.interpolate(x, scale_factor=scale, mode=mode, align_corners=ac).sin()
 
-    def grads(fn):
-        gx, = torch.autograd.grad(fn(x).pow(2).sum(), x, create_graph=True)
-        gxx, = torch.autograd.grad((gx * gx.detach()).sum(), x)
-        return gx.detach(), gxx
-
-    ref = grads(f)
-    got = grads(torch.compile(f, backend="vjpgen", options=AOT))
-    b = rt.stats()["backend"]
-    assert b["fallbacks"] == 0, b["fallback_reasons"]
-    for r, g in zip(ref, got):
-        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    _assert_orders_1_and_2_through_vjpgen(lambda x: f(x).pow(2).sum(), (x,))
 
 
 def test_inductor_decompositions_import_the_lowering_they_read():
@@ -86,18 +94,7 @@ def test_linalg_with_error_checks_orders_1_and_2_through_vjpgen(name):
 
     a, b = _spd()
 
-    def grads(fn):
-        g = torch.autograd.grad(fn(a, b), (a, b), create_graph=True, allow_unused=True)
-        g = [torch.zeros_like(x) if y is None else y for x, y in zip((a, b), g)]
-        gg = torch.autograd.grad(sum((y * y).sum() for y in g if y.requires_grad), (a, b), allow_unused=True)
-        return [y.detach() for y in g] + [torch.zeros_like(x) if y is None else y for x, y in zip((a, b), gg)]
-
-    ref = grads(f)
-    got = grads(torch.compile(f, backend="vjpgen", options=AOT))
-    bk = rt.stats()["backend"]
-    assert bk["fallbacks"] == 0, bk["fallback_reasons"]
-    for r, g in zip(ref, got):
-        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
+    _assert_orders_1_and_2_through_vjpgen(f, (a, b))
 
 
 def test_linalg_error_check_kept_in_the_compiled_graph():
