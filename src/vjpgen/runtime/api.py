@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -151,6 +152,26 @@ def _tensors(x) -> tuple:
     return tuple(x)
 
 
+@functools.lru_cache(maxsize=None)
+def _unused_template() -> str:
+    """Eager's error for an input ``grad()`` did not reach, as this torch release words it (2.13:
+    "The differentiated Tensor at index 1 appears ..."; 2.11: "One of the differentiated Tensors
+    appears ..."): asked of torch's own engine once, on a two-scalar graph."""
+    a = torch.zeros((), requires_grad=True)
+    b = torch.zeros((), requires_grad=True)
+    try:
+        with _bypass(), torch.enable_grad():
+            _orig_autograd_grad(a * 2, [a, b])
+    except RuntimeError as e:
+        return str(e).replace("index 1", "index {i}")
+    return ("The differentiated Tensor at index {i} appears to not have been used in the graph. "
+            "Set allow_unused=True if this is the desired behavior.")
+
+
+def _unused_message(i: int) -> str:
+    return _unused_template().replace("{i}", str(i))
+
+
 def _gradient_edge(t: torch.Tensor, what: str, i: int):
     fn = getattr(t, "grad_fn", None)
     if fn is not None:  # a non-leaf tensor: the edge is its grad_fn (get_gradient_edge, faster)
@@ -228,6 +249,8 @@ def _run_call(outputs, grad_outputs, inputs, retain_graph, backend, accumulate, 
             if isinstance(t, torch.autograd.graph.GradientEdge):
                 targets_edges.append((t.node, t.output_nr))
                 continue
+            if not isinstance(t, torch.Tensor):  # (torch 2.11 hands a dict's keys to the engine)
+                raise RuntimeError(f"all inputs have to be Tensors or GradientEdges, but got {type(t).__name__}")
             if not t.requires_grad:  # eager's messages: backward(inputs=) retains the grad, grad() not
                 raise RuntimeError(
                     "can't retain_grad on Tensor that has requires_grad=False" if accumulate
@@ -385,10 +408,7 @@ def execute_call(call, nodes, metas, grads, inputs, targets, retain_graph, backe
             if not accumulate:
                 for i, g in enumerate(captured):
                     if g is None and not allow_unused:
-                        raise RuntimeError(
-                            f"The differentiated Tensor at index {i} appears to not have been used "
-                            "in the graph. Set allow_unused=True if this is the desired behavior."
-                        )
+                        raise RuntimeError(_unused_message(i))
                 result = tuple(captured)
     finally:
         torch._C._set_grad_enabled(grad_was)
