@@ -555,7 +555,10 @@ def test_outputs_that_view_an_input_are_views_as_in_eager(create_graph):
     _close(out[0][1], out[1][1], "w.grad")
     _close(out[0][2], out[1][2], "x.grad")
     b = _backend()
-    assert b["fallbacks"] == 0 and b["compiles"].get(1), b
+    # (torch 2.15's dynamo runs this frame without a graph when create_graph breaks it: then there
+    # is nothing for vjpgen to compile)
+    dynamo_graphs = torch._dynamo.explain(f)(x0.clone().requires_grad_(), w, idx).graph_count
+    assert b["fallbacks"] == 0 and (b["compiles"].get(1) or not dynamo_graphs), (b, dynamo_graphs)
 
 
 def test_custom_function_backward_is_traced_as_it_is():

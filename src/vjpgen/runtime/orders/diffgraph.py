@@ -535,13 +535,19 @@ class GraphFn(torch.autograd.Function):
         # a random forward's outputs, to check that the rerun drew the same numbers
         ctx.fw_outs = [(outs[j].detach(), outs[j]._version) for j in meta.diff_outputs] if cg.random else None
         if meta.nondiff_outputs:
-            # an output without grad that is the very tensor of one with grad (``return
-            # loss.detach(), loss``: Inductor returns one buffer for both) is its own alias, or
-            # marking it would leave the differentiable one without grad
+            # an output without grad that is the very tensor of one with grad, or a view of its
+            # buffer (``return loss.detach(), loss``: Inductor returns one buffer for both; torch
+            # 2.15's Inductor a view of it) is its own alias, or marking it would leave the
+            # differentiable one without grad (and a view of it would keep requiring grad)
             diff = {id(outs[j]) for j in meta.diff_outputs}
+            diff_storage = {outs[j].untyped_storage().data_ptr() for j in meta.diff_outputs
+                            if outs[j].layout == torch.strided and outs[j].untyped_storage().nbytes()}
             for j in meta.nondiff_outputs:
-                if id(outs[j]) in diff:
-                    outs[j] = outs[j].detach()
+                o = outs[j]
+                if id(o) in diff or (isinstance(o, torch.Tensor) and o.layout == torch.strided
+                                     and o.untyped_storage().nbytes()
+                                     and o.untyped_storage().data_ptr() in diff_storage):
+                    outs[j] = o.detach()
             ctx.mark_non_differentiable(*[outs[j] for j in meta.nondiff_outputs])
         ctx.set_materialize_grads(False)
         return tuple(outs)
