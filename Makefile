@@ -25,7 +25,7 @@ check-generated: $(STAMP)
 
 # two xdist workers (this machine has 2 cores), a test file per unit (its module-scoped fixtures
 # run once), the slowest files first (tests/conftest.py). TEST_WORKERS=0 runs them in one process.
-# Cases marked `extra` (the bench scripts' smoke runs) are left to `make test-extra`, which CI runs
+# Cases marked `extra` (the bench scripts' smoke runs, tests/conftest.py's EXTRA_FILES) are left to `make test-extra`, which CI runs
 # after `make test`: `make test` stays under five minutes on this machine.
 TEST_WORKERS ?= 2
 PYTEST_N := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
