@@ -943,3 +943,29 @@ def test_in_place_writes_kept_where_an_output_views_an_input():
         _close(a, b, what)
     b = _backend()
     assert b["fallbacks"] == 0 and b["compiles"].get(1), b
+
+
+@pytest.mark.parametrize("op", ["to", "reshape", "flatten"])
+def test_an_output_copied_before_an_in_place_write_keeps_the_old_values(op):
+    """An output made by an op that copies where it must (``x.to(float64)``, ``reshape`` /
+    ``flatten`` of a non-contiguous view) before the graph writes its input in place, beside an
+    output that views the input: eager's copy holds the values before the write. Recomputed beside
+    the compiled graph (as views are), it held them after (silently wrong): such ops count as
+    views only in a graph that writes nothing in place."""
+    make = {"to": lambda x: x.to(torch.float64), "reshape": lambda x: x.t().reshape(-1),
+            "flatten": lambda x: x.t().flatten()}[op]
+
+    def f(x, w):
+        y = make(x)
+        x.add_(1)
+        return x.t(), y, (x * w).sum()
+
+    x0 = torch.randn(3, 2)
+    w = torch.randn(3, 2, requires_grad=True)
+    xa, xb = x0.clone(), x0.clone()
+    ref = f(xa, w)
+    got = _compiled(f)(xb, w)
+    assert torch.equal(got[1], ref[1]) and torch.equal(xa, xb)
+    assert got[0]._base is xb
+    _close(got[2], ref[2], "sum")
+    assert _backend()["fallbacks"] == 0

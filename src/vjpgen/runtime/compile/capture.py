@@ -769,6 +769,12 @@ def _keeps_effects(n: torch.fx.Node) -> bool:
     return "out" in n.kwargs or t in _INPLACE_OPERATORS or _in_place_name(getattr(t, "__name__", ""))
 
 
+def writes_in_place(gm: torch.fx.GraphModule) -> bool:
+    """Whether an op of ``gm`` writes one of its arguments in place (what :func:`copy_graph` keeps
+    although nothing reads it)."""
+    return any(n.op in ("call_function", "call_method") and _keeps_effects(n) for n in gm.graph.nodes)
+
+
 def _working_rtols(gm: torch.fx.GraphModule) -> list:
     """Per output of ``gm``: the check's tolerance for the least precise float dtype among the
     output and the values it is computed from (a float64 output of float32 math, MACE's energy

@@ -130,8 +130,8 @@ def vjpgen_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
 # the ops an output may be computed by to be recomputed eagerly beside the compiled graph: views
 # and other pure metadata ops (what an output that aliases an input is made of)
 _VIEW_METHODS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "select", "narrow", "expand",
-    "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "t", "detach", "alias", "__getitem__",
+    "view", "view_as", "transpose", "permute", "select", "narrow", "expand",
+    "expand_as", "squeeze", "unsqueeze", "unflatten", "t", "detach", "alias", "__getitem__",
     "unbind", "split", "chunk", "diagonal", "movedim", "swapaxes", "swapdims", "real", "imag", "mT", "T",
     "size", "dim", "numel", "stride",
     # views whose aten schema does not say so (a list of views, or the input itself)
@@ -156,12 +156,21 @@ def _view_fns():
 _ATEN_SIZE_OPS = ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset")
 
 
+# ops whose schema says their result may alias the input but that copy when they must (``x.to(
+# torch.float64)``, ``contiguous``): recomputed after the compiled graph wrote an input in place,
+# such a copy would see the write where eager's copy, made before it, does not
+_MAYBE_COPY = frozenset({
+    "to", "contiguous", "ravel", "coalesce", "resolve_conj", "resolve_neg", "pin_memory",
+    "_autocast_to_full_precision", "_autocast_to_reduced_precision", "reshape", "reshape_as", "flatten",
+})
+
+
 @functools.lru_cache(maxsize=None)
 def _aten_view_named(name) -> bool:
     """A torch function or Tensor method named ``name`` whose aten op returns a view of its input
     (an overload's schema aliases its result to an input without writing it: ``unfold``,
-    ``as_strided``, ``view_as_real``, ``expand_copy``'s view form...)."""
-    if not isinstance(name, str) or not name or name.startswith("__"):
+    ``as_strided``, ``view_as_real``...), and never a copy (:data:`_MAYBE_COPY`)."""
+    if not isinstance(name, str) or not name or name.startswith("__") or name in _MAYBE_COPY:
         return False
     try:
         packet = getattr(torch.ops.aten, name)
@@ -192,13 +201,20 @@ def _split_view_outputs(gm: torch.fx.GraphModule):
         return None
     fns = _view_fns()
     memo: dict = {}
+    # an op that copies where it must (``reshape`` of a non-contiguous input, ``to``) counts as a
+    # view only in a graph that writes nothing in place: recomputed after such a write, its copy
+    # would see it, where eager's copy was made before
+    copies_ok = not capture.writes_in_place(gm)
+
+    def named_view(name) -> bool:
+        return name in _VIEW_METHODS or _aten_view_named(name) or (copies_ok and name in _MAYBE_COPY)
 
     def pure(n) -> bool:
         if n not in memo:
             if n.op in ("placeholder", "get_attr"):
                 memo[n] = True
-            elif (n.op == "call_function" and (n.target in fns or _aten_view_named(getattr(n.target, "__name__", None)))
-                  or n.op == "call_method" and (n.target in _VIEW_METHODS or _aten_view_named(n.target))
+            elif (n.op == "call_function" and (n.target in fns or named_view(getattr(n.target, "__name__", None)))
+                  or n.op == "call_method" and named_view(n.target)
                   or _aten_view_or_size(n)):
                 memo[n] = False  # (while its inputs are read)
                 memo[n] = all(pure(a) for a in n.all_input_nodes)
