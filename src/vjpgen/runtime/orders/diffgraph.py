@@ -190,8 +190,8 @@ class CompiledGraph:
         # only a grad it was not asked for reads): passed to GraphFn detached, so its node has no
         # edge to their history, as eager's graph has none (an edge to a module's output would run
         # that module's backward hooks in a later backward where eager does not)
-        read = frozenset().union(*(self.fw_deps[j] for j in meta.diff_outputs)) if meta.diff_outputs else frozenset()
-        self.unread_inputs = tuple(i for i in range(n) if i not in read and i not in set(meta.mutated))
+        kept = frozenset(meta.mutated).union(*(self.fw_deps[j] for j in meta.diff_outputs))
+        self.unread_inputs = tuple(i for i in range(n) if i not in kept)
 
     def __eq__(self, other):
         return isinstance(other, CompiledGraph) and other.family is self.family
